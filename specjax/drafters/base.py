@@ -1,0 +1,76 @@
+"""The drafter protocol: what the speculative decode loop needs from any drafter.
+
+A drafter is a *static* (hashable) object — it becomes part of the compiled
+program — plus two pytrees the loop carries as arguments: ``params`` (weights, or
+``None``) and a ``state`` (e.g. its own KV cache). Kinds: a separate draft model
+(:class:`~specjax.drafters.model.ModelDrafter`), n-gram prompt lookup
+(:class:`~specjax.drafters.ngram.NgramDrafter`); feature-level heads read
+``context.target_hidden``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple, Protocol
+
+import jax
+from jaxtyping import Array, Float, Int
+
+from specjax.sampling import SamplingParams
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DraftContext:
+    """What a drafter may read each round (a pytree).
+
+    Attributes:
+      tokens: ``[B, L]`` int32 committed token buffer (prompt + generated); slots at
+        or beyond ``lengths`` are stale and must be ignored.
+      lengths: ``[B]`` int32 committed tokens per row (≥ 1).
+      sampling: per-row sampling settings; a drafter must make q with
+        ``sampling.process`` (the same processor that makes the target's p).
+      target_hidden: ``[B, γ+1, D]`` float32 final hidden states of the target's
+        last verify call (inputs ``[last committed, x_1..x_γ]``), or ``None``
+        before the first round / for drafters that do not use it.
+    """
+
+    tokens: Int[Array, "batch buf"]
+    lengths: Int[Array, "batch"]
+    sampling: SamplingParams
+    target_hidden: Float[Array, "batch block hidden"] | None = None
+
+
+class Proposal(NamedTuple):
+    """A drafter's output for one round.
+
+    tokens: ``[B, γ]`` int32 draft ids x_1..x_γ (all < the target vocab).
+    probs: ``[B, γ, V]`` float32, q_i: exactly the distribution x_i was sampled from
+      (one-hot for deterministic drafters), over the TARGET vocabulary.
+    num_valid: ``[B]`` int32 in [0, γ]: how many leading drafts may be accepted
+      (0 = no proposal: the round is a plain target step for that row).
+    state: the drafter's updated state.
+    """
+
+    tokens: Int[Array, "batch gamma"]
+    probs: Float[Array, "batch gamma vocab"]
+    num_valid: Int[Array, "batch"]
+    state: Any
+
+
+class Drafter(Protocol):
+    """Protocol of a drafter (static part; hashable so it can key compiled programs).
+
+    name: short label for stats and tables.
+    params: weight pytree passed to the jitted loop as an argument (or ``None``).
+    """
+
+    name: str
+    params: Any
+
+    def init_state(self, params, context: DraftContext, max_len: int) -> Any:
+        """Drafter state after the prompt (e.g. prefill of its KV cache, ``max_len`` slots)."""
+
+    def propose(self, params, state, context: DraftContext, keys, gamma: int, vocab_size: int) -> Proposal:
+        """Propose ``gamma`` tokens per row. ``keys``: ``[B, γ]`` PRNG keys (one per row and
+        draft position); ``vocab_size``: the target's vocabulary size V."""
