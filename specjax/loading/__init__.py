@@ -298,3 +298,94 @@ def load_model(
 def _looks_like_hub_id(s: str) -> bool:
     parts = str(s).split("/")
     return len(parts) == 2 and all(parts) and not str(s).startswith((".", "/", "~"))
+
+
+# ---------------------------------------------------------------- saving
+def hf_config_dict(cfg: ModelConfig) -> dict:
+    """A Hugging Face ``config.json`` dict for ``cfg`` (round-trips through ``from_hf_config``)."""
+    arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}[cfg.model_type]
+    d = {
+        "architectures": [arch],
+        "model_type": cfg.model_type,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
+    }
+    if cfg.model_type == "llama":
+        d["attention_bias"] = cfg.attention_out_bias
+    if cfg.model_type == "mistral":
+        d["sliding_window"] = None
+    if cfg.rope_scaling:
+        d["rope_scaling"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.rope_scaling}
+    if cfg.bos_token_id is not None:
+        d["bos_token_id"] = cfg.bos_token_id
+    if cfg.eos_token_ids:
+        d["eos_token_id"] = cfg.eos_token_ids[0] if len(cfg.eos_token_ids) == 1 else list(cfg.eos_token_ids)
+    return d
+
+
+def save_model(model: Model, path: str, extra_metadata: dict | None = None) -> str:
+    """Write ``model`` as a Hugging Face checkpoint directory (``config.json``,
+    ``model.safetensors`` with HF tensor names, ``tokenizer.json`` + ``tokenizer_config.json``).
+
+    Refuses to overwrite an existing non-empty directory (nothing the user wrote is lost).
+    Returns ``path``.
+    """
+    from safetensors.numpy import save_file
+
+    if os.path.isdir(path) and os.listdir(path):
+        raise CheckpointError(f"{path} exists and is not empty; choose a new directory")
+    os.makedirs(path, exist_ok=True)
+    cfg = model.config
+    inv = {v[0]: (k, v[1]) for k, v in _HF_LAYER.items()}
+    pure = nnx.to_pure_dict(model.params)
+    tensors = {}
+    for p, arr in _flat(pure):
+        a = np.asarray(jnp.asarray(arr, jnp.float32))
+        if p == ("embed",):
+            tensors["model.embed_tokens.weight"] = a
+        elif p == ("final_norm",):
+            tensors["model.norm.weight"] = a
+        elif p == ("lm_head",):
+            tensors["lm_head.weight"] = np.ascontiguousarray(a.T)
+        else:
+            _, idx, key = p
+            name, tr = inv[key]
+            tensors[f"model.layers.{idx}.{name}"] = np.ascontiguousarray(a.T) if tr else a
+    meta = {"format": "pt"}
+    meta.update({k: str(v) for k, v in (extra_metadata or {}).items()})
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata=meta)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf_config_dict(cfg), f, indent=2)
+    tok = model.tokenizer
+    if tok is not None:
+        tok._tok.save(os.path.join(path, "tokenizer.json"))
+        tcfg = {k: v for k, v in tok.special_tokens.items()}
+        tcfg["add_bos_token"] = tok.add_bos
+        if tok.chat_template:
+            tcfg["chat_template"] = tok.chat_template
+        with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+            json.dump(tcfg, f, indent=2)
+    return path
+
+
+def truncate_model(model: Model, num_layers: int, name: str | None = None) -> Model:
+    """The first ``num_layers`` blocks of ``model`` with its final norm and head (an untrained
+    early-exit drafter; a test fixture, not a product)."""
+    if not 1 <= num_layers <= model.config.num_layers:
+        raise ValueError(f"num_layers must be in [1, {model.config.num_layers}], got {num_layers}")
+    cfg = dataclasses.replace(model.config, num_layers=num_layers)
+    pure = nnx.to_pure_dict(model.params)
+    tensors = [(p, v) for p, v in _flat(pure) if not (p[0] == "layers" and p[1] >= num_layers)]
+    graphdef, params = assemble_params(cfg, iter(tensors), model.dtype, place=lambda p, a: a, source="truncate")
+    return Model(cfg, graphdef, params, model.tokenizer, name=name or f"{model.name}-first{num_layers}", dtype=model.dtype)

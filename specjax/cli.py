@@ -1,0 +1,217 @@
+"""``specjax`` command line: ``generate`` here; ``bench``, ``analyze`` and ``distill`` are
+registered by their modules (``register_cli(subparsers)``).
+
+Errors in the user's input print one line ``specjax: error: …`` (what was wrong and
+how to fix it) and exit with status 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+
+from specjax.config import CheckpointError
+
+SUBCOMMAND_MODULES = ("specjax.bench", "specjax.analysis_cli", "specjax.distill")
+
+
+class UsageError(ValueError):
+    """A bad command-line value (reported as one line, exit status 2)."""
+
+
+def enable_compilation_cache(path: str | None = None) -> None:
+    """Persistent JAX compilation cache (``$SPECJAX_CACHE`` or ``~/.cache/specjax/jax``)."""
+    import jax
+
+    path = path or os.environ.get("SPECJAX_CACHE") or os.path.expanduser("~/.cache/specjax/jax")
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def add_model_args(p: argparse.ArgumentParser, multi_draft: bool = False) -> None:
+    """Flags shared by generate / bench / analyze."""
+    p.add_argument("--config", help="pair config: a TOML path or the name of a shipped config in configs/")
+    p.add_argument("--model", default=None, help="target: .gguf file, HF model dir or hub id (default: embedded SmolLM2-135M-Instruct)")
+    if multi_draft:
+        p.add_argument("--draft", nargs="+", default=None, help="drafters: none, ngram[:N], default, PATH_OR_ID (several allowed)")
+        p.add_argument("--gamma", nargs="+", default=None, help="draft tokens per round γ (several allowed)")
+    else:
+        p.add_argument("--draft", default=None, help="drafter: none, ngram[:N], default (trained, shipped), PATH_OR_ID")
+        p.add_argument("--gamma", default=None, help="draft tokens per round γ (num_draft_tokens), or 'auto'")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "int8"], help="target weight format")
+    p.add_argument("--draft-dtype", default=None, choices=["float32", "bfloat16", "int8"], help="drafter weight format")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="new tokens per prompt (default 128)")
+    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0 = off)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1] (1 = off)")
+    p.add_argument("--seed", type=int, default=0, help="request seed (prompt i uses fold_in(seed, i))")
+    p.add_argument("--chat", action="store_true", default=None, help="wrap prompts in the model's chat template")
+    p.add_argument("--batch-size", type=int, default=1, help="prompts decoded together")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS (fixed-length benchmarks)")
+    p.add_argument("--mesh", default=None, help="device mesh, e.g. data=2,model=4 (default: one device)")
+
+
+def resolve(args) -> dict:
+    """Merge ``--config`` with explicit flags (flags win) into plain settings."""
+    from specjax.api import load_pair_config
+
+    cfg = load_pair_config(args.config) if args.config else {}
+
+    def pick(name, default):
+        v = getattr(args, name, None)
+        return cfg.get(name, default) if v is None else v
+
+    s = {
+        "model": pick("model", None),
+        "draft": pick("draft", None),
+        "gamma": pick("gamma", None),
+        "dtype": pick("dtype", "float32"),
+        "draft_dtype": pick("draft_dtype", None),
+        "max_new_tokens": pick("max_new_tokens", 128),
+        "temperature": pick("temperature", 0.0),
+        "top_k": pick("top_k", 0),
+        "top_p": pick("top_p", 1.0),
+        "chat": bool(pick("chat", False)),
+    }
+    if s["draft_dtype"] is None:
+        s["draft_dtype"] = s["dtype"]
+    if s["max_new_tokens"] < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1, got {s['max_new_tokens']}")
+    if s["temperature"] < 0:
+        raise UsageError(f"--temperature must be >= 0 (0 = greedy), got {s['temperature']}")
+    if not 0 < s["top_p"] <= 1:
+        raise UsageError(f"--top-p must be in (0, 1], got {s['top_p']}")
+    if s["top_k"] < 0:
+        raise UsageError(f"--top-k must be >= 0 (0 = off), got {s['top_k']}")
+    if getattr(args, "batch_size", 1) < 1:
+        raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
+    return s
+
+
+def parse_gamma(value, default=4) -> int | str:
+    if value is None:
+        return default
+    if value == "auto":
+        return "auto"
+    try:
+        g = int(value)
+    except (TypeError, ValueError):
+        raise UsageError(f"--gamma must be an integer >= 1 or 'auto', got {value!r}") from None
+    if g < 1:
+        raise UsageError(f"--gamma must be an integer >= 1 (draft tokens per round), got {g}")
+    return g
+
+
+def collect_prompts(args) -> list[dict]:
+    from specjax.api import read_prompts
+
+    prompts = []
+    if getattr(args, "prompt_pos", None) is not None:
+        prompts.append({"prompt": args.prompt_pos, "question_id": 0, "category": "cli"})
+    for i, p in enumerate(getattr(args, "prompt", None) or []):
+        prompts.append({"prompt": p, "question_id": len(prompts), "category": "cli"})
+    if getattr(args, "prompts", None):
+        prompts.extend(read_prompts(args.prompts))
+    if not prompts:
+        raise UsageError("no prompt given; pass PROMPT, --prompt P or --prompts FILE")
+    for i, p in enumerate(prompts):
+        if not p["prompt"].strip():
+            raise UsageError(f"prompt {i} is empty; give a non-empty prompt")
+    return prompts
+
+
+def load_target_and_drafter(s: dict, draft_spec=None, mesh=None):
+    """Load the target and (optionally) one drafter from resolved settings."""
+    from specjax.api import load_drafter
+    from specjax.loading import load_model
+
+    target = load_model(s["model"], dtype=s["dtype"]) if mesh is None else mesh.load_model(s["model"], dtype=s["dtype"])
+    spec = s["draft"] if draft_spec is None else draft_spec
+    drafter = load_drafter(spec, target, dtype=s["draft_dtype"])
+    return target, drafter
+
+
+def cmd_generate(args) -> int:
+    from specjax.api import generate_text
+
+    s = resolve(args)
+    prompts = collect_prompts(args)
+    gamma = parse_gamma(s["gamma"])
+    mesh = None
+    if args.mesh:
+        from specjax import sharding
+
+        mesh = sharding.MeshSpec.parse(args.mesh)
+    target, drafter = load_target_and_drafter(s, mesh=mesh)
+    if gamma == "auto":
+        if drafter is None:
+            raise UsageError("--gamma auto needs a drafter (--draft)")
+        from specjax import analysis_cli
+
+        gamma = analysis_cli.recommend_gamma(target, drafter, [p["prompt"] for p in prompts], chat=s["chat"])
+        print(f"specjax: --gamma auto chose γ = {gamma}", file=sys.stderr)
+    outs = generate_text(
+        target, [p["prompt"] for p in prompts], drafter=drafter, gamma=gamma,
+        max_new_tokens=s["max_new_tokens"], temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"],
+        seed=args.seed, chat=s["chat"], batch_size=args.batch_size, ignore_eos=args.ignore_eos,
+    )
+    for p, o in zip(prompts, outs):
+        if args.json:
+            rec = {"question_id": p["question_id"], "text": o["text"], "tokens": o["tokens"], "stats": o["stats"]}
+            print(json.dumps(rec), flush=True)
+        else:
+            print(o["text"])
+            st = o["stats"]
+            extra = ""
+            if drafter is not None:
+                extra = f", {st['mean_accepted_tokens']:.2f} tokens/target call, acceptance {st['acceptance_rate']:.2f}"
+            print(f"[{st['new_tokens']} tokens, {st['tokens_per_s']:.1f} tokens/s{extra}]", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specjax", description="Exact speculative decoding in JAX.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text (autoregressive or speculative)")
+    g.add_argument("prompt_pos", nargs="?", metavar="PROMPT", help="prompt text")
+    g.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+    g.add_argument("--prompts", metavar="FILE", help="JSONL: 'prompt' or Spec-Bench 'turns' per line")
+    add_model_args(g)
+    g.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
+    g.set_defaults(func=cmd_generate)
+    for mod in SUBCOMMAND_MODULES:
+        try:
+            m = importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            if e.name == mod:
+                continue
+            raise
+        if hasattr(m, "register_cli"):
+            m.register_cli(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not os.environ.get("SPECJAX_NO_CACHE"):
+        enable_compilation_cache()
+    try:
+        return args.func(args) or 0
+    except (UsageError, ValueError, CheckpointError, FileNotFoundError) as e:
+        if os.environ.get("SPECJAX_DEBUG"):
+            raise
+        print(f"specjax: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("specjax: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
