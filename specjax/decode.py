@@ -80,6 +80,7 @@ class DecodeState:
     sampling: per-row sampling settings.
     target_cache, drafter_state: KV cache pytrees.
     target_hidden: ``[B, γ+1, D]`` hidden states of the last target call, or None.
+    last_accepted: ``[B]`` int32 draft tokens accepted in the last round (n).
     stats: :class:`Stats`.
     """
 
@@ -95,6 +96,7 @@ class DecodeState:
     target_cache: llama.KVCache
     drafter_state: Any
     target_hidden: Any
+    last_accepted: jax.Array
     stats: Stats
 
 
@@ -121,9 +123,10 @@ def _start(prog: Program, tparams, dparams, prompt, prompt_lengths, max_new, eos
     cache = llama.KVCache.create(prog.cfg, b, prog.buffer_len, jnp.dtype(prog.cache_dtype))
     pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     # K/V of every prompt slot (slots ≥ length-1 hold stale values that later writes replace)
-    _, cache = llama.forward(prog.graphdef, tparams, prompt, pos, cache, prog.cfg)
+    h, cache = llama.forward(prog.graphdef, tparams, prompt, pos, cache, prog.cfg)
     cache = dataclasses.replace(cache, lengths=prompt_lengths - 1)
-    ctx = DraftContext(tokens, prompt_lengths, sampling, None)
+    # Feature-level drafters read the target's hidden states of the prompt ([B, P, D]).
+    ctx = DraftContext(tokens, prompt_lengths, sampling, h, jnp.zeros((b,), jnp.int32))
     dstate = prog.drafter.init_state(dparams, ctx, prog.buffer_len) if prog.drafter is not None else ()
     hidden = None
     if prog.drafter is not None:
@@ -141,6 +144,7 @@ def _start(prog: Program, tparams, dparams, prompt, prompt_lengths, max_new, eos
         target_cache=cache,
         drafter_state=dstate,
         target_hidden=hidden,
+        last_accepted=jnp.zeros((b,), jnp.int32),
         stats=Stats.zeros(b, prog.gamma if prog.drafter is not None else 0),
     )
 
@@ -182,17 +186,19 @@ def _round(prog: Program, tparams, dparams, st: DecodeState) -> DecodeState:
     vocab = prog.cfg.vocab_size
 
     def plain(st, dstate):
-        p, cache, hidden = _target_step(prog, tparams, st, last, False)
+        p, cache, hidden = _target_step(prog, tparams, st, last, prog.drafter is not None)
         nxt = jax.vmap(sample)(res_keys, p[:, 0])
         zeros = jnp.zeros((b,), jnp.int32)
-        hid = st.target_hidden
+        hid = None
+        if prog.drafter is not None:  # the one hidden state sits at index 0 (= n) of the block
+            hid = jnp.zeros_like(st.target_hidden).at[:, :1].set(hidden)
         return cache, zeros, nxt, zeros, dstate, hid
 
     if prog.drafter is None:
         cache, n, nxt, allowed, dstate, hidden = plain(st, st.drafter_state)
         drafted = jnp.zeros((b,), bool)
     else:
-        ctx = DraftContext(st.tokens, st.lengths, st.sampling, st.target_hidden)
+        ctx = DraftContext(st.tokens, st.lengths, st.sampling, st.target_hidden, st.last_accepted)
         prop = prog.drafter.propose(dparams, st.drafter_state, ctx, rkeys[:, :g], g, vocab)
         allowed = jnp.clip(jnp.minimum(prop.num_valid, remaining - 1), 0, g).astype(jnp.int32)
         allowed = jnp.where(active, allowed, 0)
@@ -236,7 +242,7 @@ def _round(prog: Program, tparams, dparams, st: DecodeState) -> DecodeState:
     cache = dataclasses.replace(cache, lengths=lengths - 1)
     return dataclasses.replace(
         st, tokens=tokens, lengths=lengths, done=done, round=st.round + 1, target_cache=cache,
-        drafter_state=dstate, target_hidden=hidden, stats=stats,
+        drafter_state=dstate, target_hidden=hidden, last_accepted=n, stats=stats,
     )
 
 
@@ -320,11 +326,20 @@ class Decoder:
 
     Holds compiled programs keyed by shape bucket; reuse one Decoder across calls
     so prompts of the same bucket never recompile.
+
+    ``mesh``: a ``jax.sharding.Mesh`` with axes ``data``/``model``, a
+    :class:`specjax.sharding.MeshSpec` or ``"data=D,model=M"``; by default the mesh the
+    target's parameters are already sharded on (``MeshSpec.load_model``), else one device.
+    On a mesh, parameters (target and drafter, each by its own config), caches and rows
+    are sharded (:mod:`specjax.sharding`); a batch is padded to a multiple of ``data``.
     """
 
-    def __init__(self, target, drafter=None, gamma: int = 4):
+    def __init__(self, target, drafter=None, gamma: int = 4, mesh=None):
         if drafter is not None and (int(gamma) != gamma or gamma < 1):
             raise ValueError(f"gamma (num_draft_tokens) must be an integer >= 1, got {gamma!r}")
+        from specjax import sharding
+
+        self.mesh, target, drafter = sharding.prepare_decoder(target, drafter, mesh)
         self.target = target
         self.drafter = drafter
         self.gamma = int(gamma) if drafter is not None else 0
@@ -339,6 +354,10 @@ class Decoder:
             return hit, 0.0
         t0 = time.perf_counter()
         fn = _start_jit if which == "start" else _run_jit
+        if self.mesh is not None:
+            from specjax import sharding
+
+            fn = sharding.decode_jit(which, prog, args, self.mesh)
         compiled = fn.lower(prog, *args).compile()
         self._compiled[key] = compiled
         return compiled, time.perf_counter() - t0
@@ -376,6 +395,10 @@ class Decoder:
         dparams = None if self.drafter is None else self.drafter.params
         args = (self.target.params, dparams, jnp.asarray(prompt), jnp.asarray(plens), jnp.asarray(mn),
                 jnp.asarray(eos_arr), jnp.asarray(keys), sampling)
+        if self.mesh is not None:  # rows on `data` (padded to a multiple of it)
+            from specjax import sharding
+
+            args = sharding.shard_start_args(args, self.mesh)
         return prog, args
 
     def start(self, prompts, **kw):
@@ -390,6 +413,10 @@ class Decoder:
         """Run rounds until done or ``round_limit``; returns ``(state, compile_s, seconds)``."""
         dparams = None if self.drafter is None else self.drafter.params
         args = (self.target.params, dparams, st, jnp.int32(round_limit))
+        if self.mesh is not None:
+            from specjax import sharding
+
+            args = (*args[:3], sharding.put_replicated(args[3], self.mesh))
         fn, c = self._get("run", prog, args)
         t0 = time.perf_counter()
         st = jax.block_until_ready(fn(*args))
@@ -399,20 +426,29 @@ class Decoder:
         """Decode a batch of token-id prompts to completion (see :func:`generate`)."""
         prog, st, c1, prefill_s = self.start(prompts, **kw)
         st, c2, decode_s = self.run(prog, st, np.iinfo(np.int32).max)
+        if self.mesh is not None:  # gather across hosts; drop the padding rows
+            from specjax import sharding
+
+            res = _result(sharding.host_view(st), c1 + c2, prefill_s, decode_s)
+            return dataclasses.replace(res, tokens=res.tokens[:len(prompts)], stats=res.stats[:len(prompts)])
         return _result(st, c1 + c2, prefill_s, decode_s)
 
     def stream(self, prompts, rounds_per_chunk: int = 8, **kw) -> Iterator[list[list[int]]]:
         """Yield, per chunk of ``rounds_per_chunk`` rounds, each row's newly committed tokens
         (one host sync per chunk, not per token)."""
+        from specjax.sharding import host_view  # a no-op off a multi-host mesh
+
         prog, st, _, _ = self.start(prompts, **kw)
-        seen = np.asarray(st.lengths).copy()
+        hv = host_view(st)
+        seen = np.asarray(hv.lengths).copy()
         while True:
-            st, _, _ = self.run(prog, st, int(st.round) + rounds_per_chunk)
-            lengths = np.asarray(st.lengths)
-            toks = np.asarray(st.tokens)
-            yield [toks[i, seen[i]: lengths[i]].tolist() for i in range(len(lengths))]
+            st, _, _ = self.run(prog, st, int(hv.round) + rounds_per_chunk)
+            hv = host_view(st)
+            lengths = np.asarray(hv.lengths)
+            toks = np.asarray(hv.tokens)
+            yield [toks[i, seen[i]: lengths[i]].tolist() for i in range(len(prompts))]
             seen = lengths.copy()
-            if bool(np.all(np.asarray(st.done))):
+            if bool(np.all(np.asarray(hv.done))):
                 return
 
 

@@ -30,15 +30,21 @@ class DraftContext:
       lengths: ``[B]`` int32 committed tokens per row (≥ 1).
       sampling: per-row sampling settings; a drafter must make q with
         ``sampling.process`` (the same processor that makes the target's p).
-      target_hidden: ``[B, γ+1, D]`` float32 final hidden states of the target's
-        last verify call (inputs ``[last committed, x_1..x_γ]``), or ``None``
-        before the first round / for drafters that do not use it.
+      target_hidden: ``[B, γ+1, D]`` float32 final hidden states (after the final norm)
+        of the target's last call, whose inputs were ``[last committed, x_1..x_γ]`` at
+        positions ``lengths_before-1 ..``; index ``last_accepted`` holds the state at
+        position ``lengths-2`` (the input before the last committed token). In
+        ``init_state`` it is the prompt's hidden states ``[B, P, D]`` (positions 0..P-1).
+        All zeros before the first round.
+      last_accepted: ``[B]`` int32, n of the last round (0 before the first round and
+        after a plain one-token step).
     """
 
     tokens: Int[Array, "batch buf"]
     lengths: Int[Array, "batch"]
     sampling: SamplingParams
     target_hidden: Float[Array, "batch block hidden"] | None = None
+    last_accepted: Int[Array, "batch"] | None = None
 
 
 class Proposal(NamedTuple):
