@@ -1,0 +1,627 @@
+"""``specjax bench``: throughput of the autoregressive baseline and of every drafter × γ
+on a prompts file (Spec-Bench ``question.jsonl`` works as is), per category and overall.
+
+    specjax bench --prompts question.jsonl --limit 5 --draft ngram default --gamma 3 4 \\
+        --max-new-tokens 128 --ignore-eos --out results.json
+
+What is measured, per method (``ar``, ``<drafter>@γ<g>``, suffixed ``/<dtype>`` when several
+weight formats are run) and per category:
+
+* ``tokens_per_s``: new tokens ÷ decode seconds (the jitted decode loop after prefill;
+  compilation and the warm-up batch are excluded and reported as ``compile_s`` /
+  ``warmup_s``);
+* ``speedup``: tokens/s ÷ the baseline's tokens/s on the same prompts in the same run
+  (``speedup_decode_time``: the baseline's decode seconds ÷ the method's, equal to
+  ``speedup`` when every method makes the same number of tokens, e.g. ``--ignore-eos``).
+  The baseline is the float32 ``ar`` when float32 is among ``--dtype``, otherwise the
+  ``ar`` of the method's own format;
+* ``mean_accepted_tokens`` (τ): new tokens ÷ target calls (each row's calls after prefill);
+* ``acceptance_rate``: accepted ÷ checked draft tokens (``null`` for ``ar``);
+* ``wall_s``: seconds of the timed ``generate`` calls (prefill + decode + host work);
+* ``bandwidth_gb_s``: weight bytes read ÷ decode seconds, with bytes read per batch =
+  ``batch target calls × target weight bytes + batch draft steps × drafter weight bytes``
+  (a batched call reads the weights once for all rows: batch calls = the largest per-row
+  count in the batch; a draft-model round is γ drafter forward steps; n-gram drafting
+  reads no weights). KV cache and activations are not counted, so it is a lower bound.
+
+Methods are interleaved per batch (``ar``, then each drafter × γ on the same batch) so a
+drift in machine speed hits every method alike. Batches never mix categories. Every
+prompt uses the request key ``fold_in(PRNGKey(seed), index)`` whatever the method.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import sys
+import time
+from typing import Any, Iterable, Sequence
+
+BANDWIDTH_FORMULA = (
+    "bandwidth_gb_s = sum over batches of (batch_target_calls * target_weight_bytes + "
+    "batch_draft_steps * drafter_weight_bytes) / decode_s / 1e9; batch_*: the largest per-row count in "
+    "the batch (one batched call reads the weights once); draft-model rounds = gamma drafter steps; "
+    "n-gram drafting reads no weights; KV cache and activations not counted (lower bound)"
+)
+TIMING_NOTE = (
+    "tokens_per_s = new tokens / decode_s (jitted decode loop after prefill); compilation and the "
+    "warm-up batch of each method are excluded (compile_s, warmup_s); wall_s = timed generate calls "
+    "(prefill + decode + host work, compilation excluded)"
+)
+SUMMARY_FIELDS = ("tokens_per_s", "speedup", "speedup_decode_time", "mean_accepted_tokens", "acceptance_rate",
+                  "new_tokens", "target_calls", "accepted_tokens", "checked_tokens", "prompts", "decode_s",
+                  "prefill_s", "wall_s", "bandwidth_gb_s")
+
+
+def _usage(msg: str) -> Exception:
+    from specjax.cli import UsageError
+
+    return UsageError(msg)
+
+
+# --------------------------------------------------------------------------- CLI
+def register_cli(subparsers) -> None:
+    from specjax.cli import add_model_args
+
+    p = subparsers.add_parser(
+        "bench",
+        help="throughput of autoregressive vs speculative decoding per category (Spec-Bench style)",
+        description=(
+            "Benchmark the autoregressive baseline and every drafter × γ on a prompts file "
+            "(JSONL with 'prompt', or Spec-Bench 'turns' + 'category'). Methods run interleaved per "
+            "batch; compile and warm-up are excluded from throughput. Markdown table on stdout, "
+            "--json for the full results, --out FILE to save them."
+        ),
+        conflict_handler="resolve",
+    )
+    p.add_argument("--prompts", metavar="FILE", required=True,
+                   help="JSONL: 'prompt' or Spec-Bench 'turns' (first turn used) + optional 'category', 'question_id'")
+    p.add_argument("--categories", nargs="+", default=None, metavar="C",
+                   help="categories to keep (space- or comma-separated; default: all)")
+    p.add_argument("--limit", type=int, default=None, metavar="N", help="at most N prompts per category (file order)")
+    add_model_args(p, multi_draft=True)
+    # bench overrides: several weight formats; chat on by default
+    p.add_argument("--dtype", nargs="+", default=None, choices=["float32", "bfloat16", "int8"],
+                   help="target weight format(s); several run as an outer loop (default float32)")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="wrap prompts in the model's chat template (default: on; --no-chat to turn off)")
+    p.add_argument("--warmup", type=int, default=1, metavar="K",
+                   help="untimed warm-up runs of the first batch per method (default 1)")
+    p.add_argument("--out", metavar="FILE", default=None, help="write the full results as JSON (refuses to overwrite)")
+    p.add_argument("--force", action="store_true", help="allow --out to overwrite an existing file")
+    p.add_argument("--json", action="store_true", help="print the full results as JSON on stdout (no table)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.set_defaults(func=cmd_bench)
+
+
+def split_categories(values: Sequence[str] | str | None) -> list[str] | None:
+    if values is None:
+        return None
+    if isinstance(values, str):
+        values = [values]
+    out = [c.strip() for v in values for c in v.split(",") if c.strip()]
+    return out or None
+
+
+def select_prompts(prompts: list[dict], categories: Sequence[str] | str | None, limit: int | None) -> list[dict]:
+    """Keep ``categories`` and at most ``limit`` prompts per category, in file order.
+
+    Raises:
+      UsageError: ``limit < 1``, an unknown category (lists the known ones), nothing left.
+    """
+    if limit is not None and limit < 1:
+        raise _usage(f"--limit must be >= 1, got {limit}")
+    want = split_categories(categories)
+    if want:
+        have = sorted({p["category"] for p in prompts})
+        unknown = [c for c in want if c not in have]
+        if unknown:
+            raise _usage(f"--categories: unknown {unknown}; the prompts file has {have}")
+        prompts = [p for p in prompts if p["category"] in want]
+    if limit is not None:
+        seen: dict[str, int] = {}
+        kept = []
+        for p in prompts:
+            n = seen.get(p["category"], 0)
+            if n < limit:
+                kept.append(p)
+                seen[p["category"]] = n + 1
+        prompts = kept
+    if not prompts:
+        raise _usage("no prompts left after --categories/--limit")
+    return prompts
+
+
+def make_batches(prompts: Sequence[dict], batch_size: int) -> list[list[int]]:
+    """Indices of ``prompts`` in batches of at most ``batch_size``; a batch never mixes
+    categories (so per-category times are exact); categories in order of first appearance."""
+    by_cat: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        by_cat.setdefault(p["category"], []).append(i)
+    out = []
+    for idx in by_cat.values():
+        out.extend(idx[s:s + batch_size] for s in range(0, len(idx), batch_size))
+    return out
+
+
+def check_out_path(path: str | None, force: bool) -> None:
+    if path and os.path.exists(path) and not force:
+        raise _usage(f"--out {path} exists; choose another file or pass --force to overwrite it")
+    if path and os.path.isdir(path):
+        raise _usage(f"--out {path} is a directory; give a file name")
+
+
+def write_json(path: str, obj: Any, force: bool) -> None:
+    """Write ``obj`` to ``path`` atomically; refuses an existing file unless ``force``."""
+    check_out_path(path, force)
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, default=_json_default)
+        f.write("\n")
+    if not force and os.path.exists(path):  # appeared meanwhile: keep what the user wrote
+        os.remove(tmp)
+        raise _usage(f"--out {path} appeared while the benchmark ran; results not written (pass --force)")
+    os.replace(tmp, path)
+
+
+def _json_default(o):
+    import numpy as np
+
+    if isinstance(o, np.generic):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+def machine_info() -> dict:
+    info = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+    }
+    try:
+        info["affinity_cpus"] = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            info["mem_total_gb"] = round(int(f.readline().split()[1]) / 1e6, 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu_model"] = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        import jax
+
+        info["jax"] = jax.__version__
+        info["devices"] = [str(d) for d in jax.devices()]
+        info["backend"] = jax.default_backend()
+    except Exception as e:  # pragma: no cover - reported, not fatal
+        info["jax_error"] = str(e)
+    try:
+        import numpy
+
+        info["numpy"] = numpy.__version__
+    except ImportError:  # pragma: no cover
+        pass
+    import specjax
+
+    info["specjax"] = specjax.__version__
+    return info
+
+
+# --------------------------------------------------------------------------- aggregation (shared with benchmarks/)
+@dataclasses.dataclass
+class MethodSpec:
+    """One benchmarked method. ``drafter_bytes``: weight bytes read per drafter forward step."""
+
+    name: str
+    drafter: str | None
+    gamma: int | None
+    dtype: str
+    target_bytes: int
+    drafter_bytes: int = 0
+    compile_s: float = 0.0
+    warmup_s: float = 0.0
+    extra: dict = dataclasses.field(default_factory=dict)
+
+
+def aggregate(batches: Iterable[dict], spec: MethodSpec) -> dict:
+    """Summary of batch records: each ``{"decode_s", "prefill_s", "wall_s", "calls",
+    "draft_steps", "rows": [{"new_tokens", "stats": {"target_calls", "accepted_tokens",
+    "checked_tokens"}}]}`` (see the module docstring for the definitions)."""
+    new = calls = acc = chk = n = 0
+    dec = pre = wall = 0.0
+    bytes_read = 0
+    for b in batches:
+        dec += b["decode_s"]
+        pre += b["prefill_s"]
+        wall += b["wall_s"]
+        bytes_read += b["calls"] * spec.target_bytes + b["draft_steps"] * spec.drafter_bytes
+        for r in b["rows"]:
+            n += 1
+            new += r["new_tokens"]
+            st = r["stats"]
+            calls += st["target_calls"]
+            acc += st.get("accepted_tokens") or 0
+            chk += st.get("checked_tokens") or 0
+    drafting = spec.drafter is not None
+    return {
+        "tokens_per_s": new / dec if dec > 0 else None,
+        "speedup": None,
+        "speedup_decode_time": None,
+        "mean_accepted_tokens": new / calls if calls else None,
+        "acceptance_rate": (acc / chk if chk else 0.0) if drafting else None,
+        "new_tokens": new,
+        "target_calls": calls,
+        "accepted_tokens": acc if drafting else None,
+        "checked_tokens": chk if drafting else None,
+        "prompts": n,
+        "decode_s": dec,
+        "prefill_s": pre,
+        "wall_s": wall,
+        "bandwidth_gb_s": bytes_read / dec / 1e9 if dec > 0 else None,
+        "bytes_read": bytes_read,
+    }
+
+
+def _ratio(a, b):
+    if a is None or b is None or not b or (isinstance(a, float) and math.isnan(a)):
+        return None
+    return a / b
+
+
+def summarize(specs: Sequence[MethodSpec], batch_records: dict[str, list[dict]],
+              baseline_of: dict[str, str]) -> dict:
+    """``{"<method>": {"drafter", "gamma", "dtype", "baseline", "overall", "per_category",
+    "compile_s", "warmup_s", ...}}`` with speedups against each method's baseline."""
+    out: dict[str, dict] = {}
+    for spec in specs:
+        recs = batch_records.get(spec.name, [])
+        cats: dict[str, list[dict]] = {}
+        for b in recs:
+            cats.setdefault(b["category"], []).append(b)
+        out[spec.name] = {
+            "drafter": spec.drafter,
+            "gamma": spec.gamma,
+            "dtype": spec.dtype,
+            "baseline": baseline_of.get(spec.name),
+            "target_weight_bytes": spec.target_bytes,
+            "drafter_weight_bytes": spec.drafter_bytes,
+            "compile_s": spec.compile_s,
+            "warmup_s": spec.warmup_s,
+            **spec.extra,
+            "overall": aggregate(recs, spec),
+            "per_category": {c: aggregate(bs, spec) for c, bs in cats.items()},
+        }
+    for name, m in out.items():
+        base = out.get(m["baseline"]) if m["baseline"] else None
+        pairs = [(m["overall"], base["overall"] if base else None)]
+        pairs += [(v, base["per_category"].get(c) if base else None) for c, v in m["per_category"].items()]
+        for mine, ref in pairs:
+            if ref is None:
+                continue
+            mine["speedup"] = _ratio(mine["tokens_per_s"], ref["tokens_per_s"])
+            mine["speedup_decode_time"] = _ratio(ref["decode_s"], mine["decode_s"])
+    return out
+
+
+def _f(x, fmt="{:.2f}", dash="–"):
+    return dash if x is None else fmt.format(x)
+
+
+def markdown_tables(results: dict) -> str:
+    """An overall table (one row per method) and a per-category table (tokens/s, speedup, τ)."""
+    methods = results["methods"]
+    lines = [
+        "| method | tokens/s | speedup | speedup (decode time) | τ tokens/call | acceptance | new tokens "
+        "| decode s | wall s | GB/s | compile s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, m in methods.items():
+        o = m["overall"]
+        lines.append(
+            f"| {name} | {_f(o['tokens_per_s'], '{:.1f}')} | {_f(o['speedup'], '{:.2f}×')} "
+            f"| {_f(o['speedup_decode_time'], '{:.2f}×')} | {_f(o['mean_accepted_tokens'])} "
+            f"| {_f(o['acceptance_rate'], '{:.3f}')} | {o['new_tokens']} | {_f(o['decode_s'], '{:.2f}')} "
+            f"| {_f(o['wall_s'], '{:.2f}')} | {_f(o['bandwidth_gb_s'], '{:.1f}')} | {_f(m.get('compile_s'), '{:.1f}')} |"
+        )
+    cats: list[str] = []
+    for m in methods.values():
+        for c in m["per_category"]:
+            if c not in cats:
+                cats.append(c)
+    if cats:
+        names = list(methods)
+        lines += ["", "Per category: tokens/s · speedup · τ", "",
+                  "| category | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+        for c in cats:
+            cells = []
+            for n in names:
+                v = methods[n]["per_category"].get(c)
+                cells.append("–" if v is None else
+                             f"{_f(v['tokens_per_s'], '{:.1f}')} · {_f(v['speedup'], '{:.2f}×')} · "
+                             f"{_f(v['mean_accepted_tokens'])}")
+            lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def method_name(label: str | None, gamma: int | None, dtype: str, multi_dtype: bool) -> str:
+    base = "ar" if label is None else f"{label}@γ{gamma}"
+    return f"{base}/{dtype}" if multi_dtype else base
+
+
+def baselines(specs: Sequence[MethodSpec], multi_dtype: bool) -> dict[str, str]:
+    """Each method's baseline: the float32 ``ar`` when present, else the ``ar`` of its dtype."""
+    ar = {s.dtype: s.name for s in specs if s.drafter is None}
+    ref32 = ar.get("float32")
+    return {s.name: ref32 or ar.get(s.dtype) for s in specs}
+
+
+# --------------------------------------------------------------------------- the run
+def _drafter_label(spec: str, drafter) -> str:
+    if spec == "ngram" or spec.startswith("ngram:"):
+        return drafter.name
+    if spec == "default":
+        return "default"
+    return os.path.basename(os.path.normpath(os.path.expanduser(spec))) or spec
+
+
+def _load_drafter(spec: str, target, dtype: str):
+    from specjax.api import load_drafter
+
+    try:
+        return load_drafter(spec, target, dtype=dtype)
+    except ImportError as e:
+        if spec == "default":
+            raise _usage(f"--draft default: no trained drafter is available in this install ({e}); "
+                         "train one with `specjax distill` or pass a drafter path") from None
+        raise
+
+
+def _batch_record(method: str, category: str, bi: int, rows_meta: list[dict], res, wall: float, draft_steps_per_call: int) -> dict:
+    calls = max((s["target_calls"] for s in res.stats), default=0)
+    draft_calls = max((s["draft_calls"] for s in res.stats), default=0)
+    rows = []
+    for meta, toks, st in zip(rows_meta, res.tokens, res.stats):
+        rows.append({"question_id": meta["question_id"], "category": meta["category"], "new_tokens": len(toks),
+                     "stats": st, "tokens": toks})
+    return {"method": method, "category": category, "batch": bi, "batch_size": len(rows_meta),
+            "decode_s": res.decode_s, "prefill_s": res.prefill_s, "wall_s": max(0.0, wall - res.compile_s),
+            "calls": calls, "draft_steps": draft_calls * draft_steps_per_call, "rows": rows}
+
+
+def run_bench(
+    prompts: list[dict],
+    *,
+    model: str | None = None,
+    drafts: Sequence[str] = ("ngram",),
+    gammas: Sequence[int] = (4,),
+    dtypes: Sequence[str] = ("float32",),
+    draft_dtype: str | None = None,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    batch_size: int = 1,
+    max_new_tokens: int = 128,
+    chat: bool = True,
+    ignore_eos: bool = False,
+    warmup: int = 1,
+    mesh=None,
+    progress: bool = True,
+    log=None,
+) -> dict:
+    """Run the benchmark; returns ``{"config", "methods", "prompts"}`` (see module docstring).
+
+    ``prompts``: records ``{"prompt", "question_id", "category"}`` (:func:`specjax.api.read_prompts`).
+    """
+    import jax
+    from tqdm.auto import tqdm
+
+    from specjax.api import encode_prompts
+    from specjax.decode import Decoder
+    from specjax.loading import load_model
+    from specjax.models import llama
+    from specjax.sampling import SamplingParams
+
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    drafts = [d for d in dict.fromkeys(drafts) if d not in (None, "none")]
+    gammas = list(dict.fromkeys(int(g) for g in gammas))
+    dtypes = list(dict.fromkeys(dtypes))
+    multi = len(dtypes) > 1
+    batches = make_batches(prompts, batch_size)
+    started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    t_all = time.perf_counter()
+
+    specs: list[MethodSpec] = []
+    records: dict[str, list[dict]] = {}
+    prompt_records: list[dict] = []
+    weight_bytes: dict[str, dict] = {}
+    model_name = None
+    total_steps = len(batches) * len(dtypes) * (1 + len(drafts) * len(gammas))
+    bar = tqdm(total=total_steps, desc="bench", unit="batch", file=sys.stderr, disable=not progress, dynamic_ncols=True)
+    try:
+        for dtype in dtypes:
+            ddtype = draft_dtype or dtype
+            log(f"specjax bench: loading target ({dtype})")
+            target = load_model(model, dtype=dtype)
+            model_name = target.name
+            ids = encode_prompts(target, [p["prompt"] for p in prompts], chat)
+            tbytes = llama.param_bytes(target.params)
+            weight_bytes[dtype] = {"target": tbytes}
+            # methods of this dtype: (spec, decoder, draft forward steps per round)
+            methods: list[tuple[MethodSpec, Any, int]] = []
+            s = MethodSpec(method_name(None, None, dtype, multi), None, None, dtype, tbytes)
+            methods.append((s, Decoder(target, None, mesh=mesh), 0))
+            for dspec in drafts:
+                drafter = _load_drafter(dspec, target, ddtype)
+                label = _drafter_label(dspec, drafter)
+                params = getattr(drafter, "params", None)
+                dbytes = llama.param_bytes(params) if params is not None else 0
+                weight_bytes[dtype][label] = dbytes
+                for g in gammas:
+                    s = MethodSpec(method_name(label, g, dtype, multi), label, g, dtype, tbytes, dbytes,
+                                   extra={"draft_spec": dspec, "draft_dtype": ddtype})
+                    methods.append((s, Decoder(target, drafter, g, mesh=mesh), g if dbytes else 0))
+            for s, _, _ in methods:
+                if s.name in records:
+                    raise _usage(f"two methods are both named {s.name!r}; give distinct --draft values")
+                records[s.name] = []
+                specs.append(s)
+
+            def gen(dec, bi):
+                idx = batches[bi]
+                sp = SamplingParams.create(len(idx), temperature, top_k, top_p)
+                keys = jax.numpy.stack([jax.random.fold_in(jax.random.PRNGKey(seed), i) for i in idx])
+                t0 = time.perf_counter()
+                res = dec.generate([ids[i] for i in idx], max_new_tokens=max_new_tokens, sampling=sp, keys=keys,
+                                   eos_ids=[] if ignore_eos else None)
+                return res, time.perf_counter() - t0
+
+            # warm-up: compile + first runs on the first batch, untimed
+            for s, dec, _ in methods:
+                for _ in range(max(0, warmup)):
+                    bar.set_postfix_str(f"warm-up {s.name}")
+                    res, wall = gen(dec, 0)
+                    s.compile_s += res.compile_s
+                    s.warmup_s += max(0.0, wall - res.compile_s)
+            # timed: methods interleaved per batch
+            for bi, idx in enumerate(batches):
+                cat = prompts[idx[0]]["category"]
+                ar_tokens = None
+                for s, dec, steps in methods:
+                    bar.set_postfix_str(s.name)
+                    res, wall = gen(dec, bi)
+                    s.compile_s += res.compile_s
+                    rec = _batch_record(s.name, cat, bi, [prompts[i] for i in idx], res, wall, steps)
+                    records[s.name].append(rec)
+                    if s.drafter is None:
+                        ar_tokens = res.tokens
+                    for j, row in enumerate(rec["rows"]):
+                        same = None
+                        if temperature == 0 and s.drafter is not None and ar_tokens is not None:
+                            same = row["tokens"] == ar_tokens[j]
+                        prompt_records.append({
+                            "method": s.name, "question_id": row["question_id"], "category": row["category"],
+                            "batch": bi, "batch_size": len(idx), "prompt_tokens": len(ids[idx[j]]),
+                            "new_tokens": row["new_tokens"], "decode_s": res.decode_s, "prefill_s": res.prefill_s,
+                            "tokens_per_s": row["new_tokens"] / res.decode_s if res.decode_s > 0 else None,
+                            "same_as_ar": same, "stats": row["stats"],
+                        })
+                    bar.update(1)
+            del methods, target
+    finally:
+        bar.close()
+    for recs in records.values():
+        for b in recs:
+            for r in b["rows"]:
+                r.pop("tokens", None)
+    base = baselines(specs, multi)
+    summary = summarize(specs, records, base)
+    mismatches = sum(1 for r in prompt_records if r["same_as_ar"] is False)
+    cats: dict[str, int] = {}
+    for p in prompts:
+        cats[p["category"]] = cats.get(p["category"], 0) + 1
+    config = {
+        "library": "specjax",
+        "started_at": started,
+        "total_s": time.perf_counter() - t_all,
+        "model": model or "default",
+        "model_name": model_name,
+        "drafts": list(drafts),
+        "gammas": gammas,
+        "dtypes": dtypes,
+        "dtype": dtypes[0] if len(dtypes) == 1 else dtypes,
+        "draft_dtype": draft_dtype,
+        "temperature": temperature,
+        "top_k": top_k,
+        "top_p": top_p,
+        "seed": seed,
+        "batch_size": batch_size,
+        "max_new_tokens": max_new_tokens,
+        "chat": chat,
+        "ignore_eos": ignore_eos,
+        "warmup": warmup,
+        "num_prompts": len(prompts),
+        "prompts_per_category": cats,
+        "weight_bytes": weight_bytes,
+        "baselines": base,
+        "greedy_mismatches_vs_ar": mismatches if temperature == 0 else None,
+        "bandwidth_formula": BANDWIDTH_FORMULA,
+        "timing": TIMING_NOTE,
+        "machine": machine_info(),
+    }
+    return {"config": config, "methods": summary, "prompts": prompt_records}
+
+
+def cmd_bench(args) -> int:
+    from specjax.api import load_pair_config, read_prompts
+    from specjax.cli import parse_gamma, resolve
+
+    check_out_path(args.out, args.force)
+    if args.warmup < 0:
+        raise _usage(f"--warmup must be >= 0, got {args.warmup}")
+    dtypes_flag = args.dtype
+    args.dtype = None  # resolve() handles one format; bench loops over several
+    chat_flag = args.chat
+    args.chat = None
+    s = resolve(args)
+    cfg = load_pair_config(args.config) if args.config else {}
+    dtypes = list(dtypes_flag) if dtypes_flag else [cfg.get("dtype", "float32")]
+    chat = chat_flag if chat_flag is not None else bool(cfg.get("chat", True))
+    draft_dtype = args.draft_dtype or cfg.get("draft_dtype")
+    drafts = s["draft"]
+    if drafts is None:
+        drafts = ["ngram"]
+    elif isinstance(drafts, str):
+        drafts = [drafts]
+    gammas_raw = s["gamma"]
+    if gammas_raw is None:
+        gammas_raw = [4]
+    elif not isinstance(gammas_raw, (list, tuple)):
+        gammas_raw = [gammas_raw]
+    gammas = []
+    for g in gammas_raw:
+        v = parse_gamma(g)
+        if v == "auto":
+            raise _usage("--gamma auto is not supported by bench; give the values to compare, e.g. --gamma 3 4 5")
+        gammas.append(v)
+
+    prompts = select_prompts(read_prompts(args.prompts), args.categories, args.limit)
+    results = run_bench(
+        prompts, model=s["model"], drafts=drafts, gammas=gammas, dtypes=dtypes, draft_dtype=draft_dtype,
+        temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"], seed=args.seed,
+        batch_size=args.batch_size, max_new_tokens=s["max_new_tokens"], chat=chat, ignore_eos=args.ignore_eos,
+        warmup=args.warmup, mesh=args.mesh, progress=not args.no_progress,
+    )
+    results["config"]["prompts_file"] = os.path.abspath(args.prompts)
+    results["config"]["categories"] = split_categories(args.categories)
+    results["config"]["limit"] = args.limit
+    if args.out:
+        write_json(args.out, results, args.force)
+        print(f"specjax bench: wrote {args.out}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(results, default=_json_default))
+    else:
+        print(markdown_tables(results))
+    mm = results["config"].get("greedy_mismatches_vs_ar")
+    if mm:
+        print(f"specjax bench: warning: {mm} greedy speculative output(s) differ from autoregressive "
+              "(expected only in reduced-precision formats)", file=sys.stderr)
+    return 0

@@ -1,0 +1,145 @@
+"""`specjax bench` end to end on a tiny saved model (with a word-level tokenizer and a chat
+template): JSON schema, speedup of the baseline, per-category entries, greedy speculative ==
+autoregressive, a bad prompts file (exit 2 naming the line), --out never overwrites."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import tiny_model
+
+WORDS = [f"w{i}" for i in range(3, 128)]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from tokenizers import Tokenizer as HFTok, models, pre_tokenizers
+
+    from specjax.loading import save_model
+    from specjax.loading.tokenizer import Tokenizer
+
+    vocab = {"<s>": 0, "</s>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
+    hf = HFTok(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    hf.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = Tokenizer(hf, bos_token_id=0, eos_token_ids=(1,), add_bos=False,
+                    chat_template="{% for m in messages %}<s> {{ m['content'] }} {% endfor %}w9",
+                    special_tokens={"bos_token": "<s>", "eos_token": "</s>"})
+    path = tmp_path_factory.mktemp("tiny") / "tiny-model"
+    save_model(tiny_model(seed=3).replace(tokenizer=tok), str(path))
+    return str(path)
+
+
+def _prompts(tmp_path, lines):
+    f = tmp_path / "prompts.jsonl"
+    f.write_text("".join(line + "\n" for line in lines))
+    return str(f)
+
+
+def _spec_bench(tmp_path):
+    rows = []
+    for qid, cat, words in [(1, "summarization", "w5 w6 w7 w8 w5 w6 w7 w8 w5 w6"),
+                            (2, "summarization", "w10 w11 w12 w10 w11 w12 w10"),
+                            (3, "summarization", "w20 w21 w22"),  # beyond --limit 2
+                            (4, "qa", "w30 w31 w32 w33 w30 w31"),
+                            (5, "qa", "w40 w41 w40 w41 w40 w41 w40"),
+                            (6, "coding", "w50 w51")]:
+        rows.append(json.dumps({"question_id": qid, "category": cat, "turns": [words, "w3 w4"]}))
+    return _prompts(tmp_path, rows)
+
+
+def _run(argv, capsys):
+    from specjax.cli import main
+
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_bench_json_and_out(tiny_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("SPECJAX_NO_CACHE", "1")
+    prompts = _spec_bench(tmp_path)
+    out_file = tmp_path / "res" / "results.json"
+    argv = ["bench", "--prompts", prompts, "--model", tiny_dir, "--categories", "summarization,qa", "--limit", "2",
+            "--draft", "ngram", "--gamma", "2", "3", "--max-new-tokens", "8", "--batch-size", "2", "--ignore-eos",
+            "--json", "--out", str(out_file), "--no-progress"]
+    rc, out, err = _run(argv, capsys)
+    assert rc == 0, err
+    res = json.loads(out)
+    assert json.loads(out_file.read_text()) == res
+    assert set(res) == {"config", "methods", "prompts"}
+    cfg = res["config"]
+    for key in ("model_name", "dtype", "temperature", "batch_size", "max_new_tokens", "chat", "ignore_eos",
+                "bandwidth_formula", "machine", "weight_bytes", "prompts_per_category"):
+        assert key in cfg, key
+    assert cfg["chat"] is True and cfg["prompts_per_category"] == {"summarization": 2, "qa": 2}
+    for key in ("jax", "devices", "cpu_count"):
+        assert key in cfg["machine"]
+    assert cfg["greedy_mismatches_vs_ar"] == 0  # greedy speculative == autoregressive (float32)
+    assert list(res["methods"]) == ["ar", "ngram:3@γ2", "ngram:3@γ3"]
+    fields = ("tokens_per_s", "speedup", "speedup_decode_time", "mean_accepted_tokens", "acceptance_rate",
+              "new_tokens", "target_calls", "decode_s", "wall_s", "bandwidth_gb_s")
+    for name, m in res["methods"].items():
+        assert "compile_s" in m and m["compile_s"] >= 0
+        assert set(m["per_category"]) == {"summarization", "qa"}
+        for entry in [m["overall"], *m["per_category"].values()]:
+            for f in fields:
+                assert f in entry, (name, f)
+            assert entry["new_tokens"] == 8 * entry["prompts"]  # --ignore-eos
+            assert entry["tokens_per_s"] > 0 and entry["bandwidth_gb_s"] > 0
+    ar = res["methods"]["ar"]
+    assert ar["overall"]["speedup"] == 1.0 and ar["overall"]["speedup_decode_time"] == 1.0
+    assert ar["overall"]["mean_accepted_tokens"] == 1.0 and ar["overall"]["acceptance_rate"] is None
+    assert all(v["speedup"] == 1.0 for v in ar["per_category"].values())
+    ng = res["methods"]["ngram:3@γ2"]
+    assert ng["drafter"] == "ngram:3" and ng["gamma"] == 2 and ng["baseline"] == "ar"
+    assert 0.0 <= ng["overall"]["acceptance_rate"] <= 1.0
+    assert ng["overall"]["mean_accepted_tokens"] >= 1.0
+    assert len(res["prompts"]) == 3 * 4
+    rec = res["prompts"][0]
+    for key in ("question_id", "category", "new_tokens", "decode_s", "stats", "method"):
+        assert key in rec
+    # --out never overwrites without --force (and fails before loading anything)
+    before = out_file.read_text()
+    rc, out, err = _run(argv, capsys)
+    assert rc == 2 and "exists" in err and "--force" in err
+    assert out_file.read_text() == before
+
+
+def test_bench_table_no_chat(tiny_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("SPECJAX_NO_CACHE", "1")
+    prompts = _spec_bench(tmp_path)
+    rc, out, err = _run(["bench", "--prompts", prompts, "--model", tiny_dir, "--categories", "coding",
+                         "--draft", "none", "--max-new-tokens", "4", "--no-chat", "--warmup", "0"], capsys)
+    assert rc == 0, err
+    assert out.startswith("| method | tokens/s | speedup")
+    assert "| ar |" in out and "| coding |" in out
+
+
+@pytest.mark.parametrize("lines, where", [
+    (['{"prompt": "w3 w4"}', '{not json'], ":2:"),
+    (['{"prompt": "w3 w4"}', '', '{"category": "qa"}'], ":3:"),
+    (['[1, 2]'], ":1:"),
+    ([], "empty"),
+])
+def test_bench_bad_prompts_file(tmp_path, capsys, lines, where):
+    prompts = _prompts(tmp_path, lines)
+    rc, out, err = _run(["bench", "--prompts", prompts, "--model", "/nonexistent"], capsys)
+    assert rc == 2
+    assert err.startswith("specjax: error:") and err.count("\n") == 1
+    assert where in err and "prompts.jsonl" in err
+
+
+def test_bench_unknown_category(tmp_path, capsys):
+    rc, out, err = _run(["bench", "--prompts", _spec_bench(tmp_path), "--categories", "poetry"], capsys)
+    assert rc == 2 and "poetry" in err and "summarization" in err
+
+
+def test_select_and_batches():
+    from specjax.bench import make_batches, select_prompts
+
+    ps = [{"prompt": "x", "question_id": i, "category": c} for i, c in enumerate("aabbbab")]
+    sel = select_prompts(ps, ["a", "b"], 2)
+    assert [p["question_id"] for p in sel] == [0, 1, 2, 3]
+    assert make_batches(ps, 2) == [[0, 1], [5], [2, 3], [4, 6]]
