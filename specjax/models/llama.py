@@ -28,52 +28,106 @@ from jaxtyping import Array, Float, Int
 from specjax.config import ModelConfig
 
 
-def _init(rngs: nnx.Rngs, shape, dtype, scale=0.02):
-    return nnx.Param(scale * jax.random.normal(rngs.params(), shape, dtype))
+WEIGHT_FORMATS = ("float32", "bfloat16", "int8")
+# Matmul weights (quantized in int8) and the axis their per-channel scale runs along.
+MATMUL_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head", "embed")
+
+
+def storage_dtype(fmt: str):
+    """Array dtype of matmul weights for a weight format; norms/biases/scales stay float32
+    except in bfloat16, where every parameter is bf16."""
+    if fmt not in WEIGHT_FORMATS:
+        raise ValueError(f"unknown weight format {fmt!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8}[fmt]
+
+
+def quantize_int8(w, axis: int):
+    """Symmetric per-channel int8: ``w ≈ q * scale`` with ``scale = max|w| / 127`` reduced over
+    ``axis`` (the input dim). Returns ``(q int8, scale float32 with axis removed)``."""
+    w = jnp.asarray(w, jnp.float32)
+    amax = jnp.max(jnp.abs(w), axis=axis)
+    scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+    q = jnp.clip(jnp.round(w / jnp.expand_dims(scale, axis)), -127, 127).astype(jnp.int8)
+    return q, scale.astype(jnp.float32)
+
+
+def _weight(rngs, shape, fmt, reduce_axis):
+    """A matmul weight (and its int8 scale param, or None)."""
+    w = 0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)
+    if fmt == "int8":
+        q, s = quantize_int8(w, reduce_axis)
+        return nnx.Param(q), nnx.Param(s)
+    return nnx.Param(w.astype(storage_dtype(fmt))), None
+
+
+def _vec(value, shape, fmt):
+    return nnx.Param(jnp.full(shape, value, jnp.bfloat16 if fmt == "bfloat16" else jnp.float32))
 
 
 class Block(nnx.Module):
-    """One pre-norm decoder block: RMSNorm → GQA attention → RMSNorm → SwiGLU MLP."""
+    """One pre-norm decoder block: RMSNorm → GQA attention → RMSNorm → SwiGLU MLP.
 
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
-        d, hd = cfg.hidden_size, cfg.head_dim
-        self.attn_norm = nnx.Param(jnp.ones((d,), dtype))
-        self.wq = _init(rngs, (d, cfg.num_heads * hd), dtype)
-        self.wk = _init(rngs, (d, cfg.num_kv_heads * hd), dtype)
-        self.wv = _init(rngs, (d, cfg.num_kv_heads * hd), dtype)
+    Matmul weights are stored ``[in, out]``; in the int8 format each has a float32
+    per-output-channel ``<name>_scale``.
+    """
+
+    def __init__(self, cfg: ModelConfig, fmt: str, rngs: nnx.Rngs):
+        d, hd, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+        self.attn_norm = _vec(1.0, (d,), fmt)
+        shapes = {"wq": (d, cfg.num_heads * hd), "wk": (d, cfg.num_kv_heads * hd),
+                  "wv": (d, cfg.num_kv_heads * hd), "wo": (cfg.num_heads * hd, d),
+                  "w_gate": (d, f), "w_up": (d, f), "w_down": (f, d)}
+        for name, shape in shapes.items():
+            w, s = _weight(rngs, shape, fmt, 0)
+            setattr(self, name, w)
+            if s is not None:
+                setattr(self, name + "_scale", s)
         if cfg.attention_bias:
-            self.bq = nnx.Param(jnp.zeros((cfg.num_heads * hd,), dtype))
-            self.bk = nnx.Param(jnp.zeros((cfg.num_kv_heads * hd,), dtype))
-            self.bv = nnx.Param(jnp.zeros((cfg.num_kv_heads * hd,), dtype))
-        self.wo = _init(rngs, (cfg.num_heads * hd, d), dtype)
+            self.bq = _vec(0.0, (cfg.num_heads * hd,), fmt)
+            self.bk = _vec(0.0, (cfg.num_kv_heads * hd,), fmt)
+            self.bv = _vec(0.0, (cfg.num_kv_heads * hd,), fmt)
         if cfg.attention_out_bias:
-            self.bo = nnx.Param(jnp.zeros((d,), dtype))
-        self.mlp_norm = nnx.Param(jnp.ones((d,), dtype))
-        self.w_gate = _init(rngs, (d, cfg.intermediate_size), dtype)
-        self.w_up = _init(rngs, (d, cfg.intermediate_size), dtype)
-        self.w_down = _init(rngs, (cfg.intermediate_size, d), dtype)
+            self.bo = _vec(0.0, (d,), fmt)
+        self.mlp_norm = _vec(1.0, (d,), fmt)
 
 
 class Transformer(nnx.Module):
-    """Parameters of a Llama-family decoder. Call it through :func:`apply`."""
+    """Parameters of a Llama-family decoder. Call it through :func:`apply`.
 
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
-        self.embed = _init(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)
-        self.layers = nnx.List([Block(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
-        self.final_norm = nnx.Param(jnp.ones((cfg.hidden_size,), dtype))
+    ``fmt``: weight format — ``float32``; ``bfloat16`` (bf16 weights, float32
+    accumulation); ``int8`` (per-channel int8 weights × per-row int8 activations,
+    int32 accumulation; norms, biases and scales float32).
+    """
+
+    def __init__(self, cfg: ModelConfig, *, fmt: str = "float32", rngs: nnx.Rngs):
+        storage_dtype(fmt)  # validates
+        self.embed, s = _weight(rngs, (cfg.vocab_size, cfg.hidden_size), fmt, 1)
+        if s is not None:
+            self.embed_scale = s
+        self.layers = nnx.List([Block(cfg, fmt, rngs) for _ in range(cfg.num_layers)])
+        self.final_norm = _vec(1.0, (cfg.hidden_size,), fmt)
         if not cfg.tie_word_embeddings:
-            self.lm_head = _init(rngs, (cfg.hidden_size, cfg.vocab_size), dtype)
+            self.lm_head, s = _weight(rngs, (cfg.hidden_size, cfg.vocab_size), fmt, 0)
+            if s is not None:
+                self.lm_head_scale = s
 
 
-def abstract_model(cfg: ModelConfig, dtype=jnp.float32):
-    """``(graphdef, abstract_params)`` without allocating weights (``nnx.eval_shape``)."""
-    model = nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+def _fmt(dtype) -> str:
+    if isinstance(dtype, str) and dtype in WEIGHT_FORMATS:
+        return dtype
+    return {"float32": "float32", "bfloat16": "bfloat16", "int8": "int8"}[jnp.dtype(dtype).name]
+
+
+def abstract_model(cfg: ModelConfig, dtype="float32"):
+    """``(graphdef, abstract_params)`` without allocating weights (``nnx.eval_shape``).
+    ``dtype``: a weight format name (float32, bfloat16, int8) or the matching dtype."""
+    model = nnx.eval_shape(lambda: Transformer(cfg, fmt=_fmt(dtype), rngs=nnx.Rngs(0)))
     return nnx.split(model)
 
 
-def init_model(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32):
+def init_model(cfg: ModelConfig, seed: int = 0, dtype="float32"):
     """``(graphdef, params)`` with random weights (N(0, 0.02), norms 1, biases 0)."""
-    return nnx.split(Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(seed)))
+    return nnx.split(Transformer(cfg, fmt=_fmt(dtype), rngs=nnx.Rngs(seed)))
 
 
 @jax.tree_util.register_dataclass
@@ -113,12 +167,58 @@ def rms_norm(x, w, eps):
     return y * w.astype(jnp.float32)
 
 
-def dense(x, w, b=None):
-    """``x @ w`` (+ b) with float32 accumulation; ``w`` stored ``[in, out]``."""
-    y = jnp.einsum("...i,io->...o", x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+def _rows_padded(x2d, fn):
+    """Run ``fn`` on ``x2d [M, K]`` with at least 2 rows: XLA CPU's one-row bf16/int8 dot
+    converts the whole weight to float32 on every call (~8× slower)."""
+    if x2d.shape[0] >= 2:
+        return fn(x2d)
+    return fn(jnp.pad(x2d, ((0, 2 - x2d.shape[0]), (0, 0))))[: x2d.shape[0]]
+
+
+def quantize_rows(x):
+    """Dynamic symmetric int8 per row: ``x [M, K] ≈ q * scale[:, None]``."""
+    amax = jnp.max(jnp.abs(x), axis=-1)
+    scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+    q = jnp.clip(jnp.round(x / scale[:, None]), -127, 127).astype(jnp.int8)
+    return q, scale
+
+
+def matmul(x, w, scale=None, transposed=False):
+    """``x [..., K] @ w`` → float32 ``[..., N]`` in the weight's format.
+
+    ``w`` is ``[K, N]`` (or ``[N, K]`` when ``transposed``, the tied embedding).
+    float32 / bfloat16: the activations are cast to ``w.dtype`` and accumulated in
+    float32 (bf16×bf16 products are exact in float32). int8: activations are quantized
+    per row on the fly, ``int8 × int8 → int32`` (``preferred_element_type``), then
+    rescaled by the row and channel scales — never a float32 copy of the weight.
+    """
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    contract = ((1,), (1,)) if transposed else ((1,), (0,))
+    dn = (contract, ((), ()))
+    if w.dtype == jnp.int8:
+        def fn(a):
+            q, s = quantize_rows(a)
+            y = jax.lax.dot_general(q, w, dn, preferred_element_type=jnp.int32)
+            return y.astype(jnp.float32) * s[:, None] * scale[None, :]
+    else:
+        def fn(a):
+            return jax.lax.dot_general(a.astype(w.dtype), w, dn, preferred_element_type=jnp.float32)
+    y = _rows_padded(x2, fn) if w.dtype != jnp.float32 else fn(x2)
+    return y.reshape(*lead, y.shape[-1])
+
+
+def dense(x, w, b=None, scale=None):
+    """``x @ w`` (+ b) with float32 output; ``w`` stored ``[in, out]`` (see :func:`matmul`)."""
+    y = matmul(x, w, scale)
     if b is not None:
         y = y + b.astype(jnp.float32)
     return y
+
+
+def _p(module, name):
+    """A parameter's value, or None if the module does not have it."""
+    return module.__dict__[name][...] if name in module.__dict__ else None
 
 
 def rope(x, positions, inv_freq):
@@ -182,17 +282,20 @@ def forward(
     """
     model = nnx.merge(graphdef, params)
     inv_freq = jnp.asarray(cfg.rope_inv_freq())
-    h = jnp.take(model.embed[...], tokens, axis=0).astype(jnp.float32)
+    h = embed_tokens(model, tokens)
     b, t = tokens.shape
     hd = cfg.head_dim
     starts = positions[:, 0]
     new_k, new_v = [], []
     for i, layer in enumerate(model.layers):
+
+        def lin(x, name, bias=None):
+            return dense(x, layer.__dict__[name][...], _p(layer, bias) if bias else None, _p(layer, name + "_scale"))
+
         x = rms_norm(h, layer.attn_norm[...], cfg.rms_norm_eps)
-        bias = cfg.attention_bias
-        q = dense(x, layer.wq[...], layer.bq[...] if bias else None).reshape(b, t, cfg.num_heads, hd)
-        k = dense(x, layer.wk[...], layer.bk[...] if bias else None).reshape(b, t, cfg.num_kv_heads, hd)
-        v = dense(x, layer.wv[...], layer.bv[...] if bias else None).reshape(b, t, cfg.num_kv_heads, hd)
+        q = lin(x, "wq", "bq").reshape(b, t, cfg.num_heads, hd)
+        k = lin(x, "wk", "bk").reshape(b, t, cfg.num_kv_heads, hd)
+        v = lin(x, "wv", "bv").reshape(b, t, cfg.num_kv_heads, hd)
         q = rope(q, positions, inv_freq)
         k = rope(k, positions, inv_freq)
         kc = _write(cache.k[i], k.transpose(0, 2, 1, 3), starts)
@@ -200,11 +303,9 @@ def forward(
         new_k.append(kc)
         new_v.append(vc)
         a = _attention(q.astype(kc.dtype), kc, vc, positions, cfg)
-        h = h + dense(a, layer.wo[...], layer.bo[...] if cfg.attention_out_bias else None)
+        h = h + lin(a, "wo", "bo")
         x = rms_norm(h, layer.mlp_norm[...], cfg.rms_norm_eps)
-        g = dense(x, layer.w_gate[...])
-        u = dense(x, layer.w_up[...])
-        h = h + dense(jax.nn.silu(g) * u, layer.w_down[...])
+        h = h + lin(jax.nn.silu(lin(x, "w_gate")) * lin(x, "w_up"), "w_down")
     h = rms_norm(h, model.final_norm[...], cfg.rms_norm_eps)
     return h, KVCache(k=new_k, v=new_v, lengths=cache.lengths)
 
@@ -213,9 +314,18 @@ def lm_head(graphdef, params, hidden: Float[Array, "... hidden"], cfg: ModelConf
     """Logits float32 ``[..., vocab]`` from final hidden states ``[..., hidden]``."""
     model = nnx.merge(graphdef, params)
     if cfg.tie_word_embeddings:
-        e = model.embed[...]
-        return jnp.einsum("...d,vd->...v", hidden.astype(e.dtype), e, preferred_element_type=jnp.float32)
-    return dense(hidden, model.lm_head[...])
+        # contracting the untransposed [V, D] embedding: `embed.T` would copy it every call
+        return matmul(hidden, model.embed[...], _p(model, "embed_scale"), transposed=True)
+    return matmul(hidden, model.lm_head[...], _p(model, "lm_head_scale"))
+
+
+def embed_tokens(model, tokens):
+    """Embedding rows of ``tokens [B, T]`` → float32 ``[B, T, D]`` (dequantized in int8)."""
+    e = jnp.take(model.embed[...], tokens, axis=0).astype(jnp.float32)
+    scale = _p(model, "embed_scale")
+    if scale is not None:
+        e = e * jnp.take(scale, tokens, axis=0)[..., None]
+    return e
 
 
 def apply(
