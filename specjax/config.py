@@ -153,14 +153,17 @@ class ModelConfig:
                     "supported; set use_sliding_window=false in config.json if the window is unused."
                 )
             max_pos = min(max_pos, int(window))
-        scaling = cfg.get("rope_scaling")
+        rope_theta, scaling = _rope_settings(cfg)
         if scaling:
             kind = scaling.get("rope_type", scaling.get("type", "default"))
             if kind not in ("default", "linear", "llama3"):
                 raise UnsupportedModelError(
                     f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)."
                 )
-            scaling = tuple(sorted((k, _hashable(v)) for k, v in scaling.items()))
+            if kind == "default":
+                scaling = None
+            else:
+                scaling = tuple(sorted((k, _hashable(v)) for k, v in scaling.items()))
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None)
         bias = bool(cfg.get("attention_bias", False))
@@ -173,7 +176,7 @@ class ModelConfig:
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            rope_theta=rope_theta,
             rope_scaling=scaling or None,
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -183,6 +186,34 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
+
+
+def _rope_settings(cfg: Mapping[str, Any]) -> tuple[float, dict | None]:
+    """``(rope_theta, rope scaling dict or None)`` from a HF config of either format:
+    transformers < 5 (``rope_theta`` + ``rope_scaling``) or transformers >= 5
+    (``rope_parameters`` holding ``rope_theta``, ``rope_type`` and the scaling keys).
+
+    Raises:
+      UnsupportedModelError: per-layer-type RoPE parameters (a dict of dicts).
+    """
+    theta = cfg.get("rope_theta")
+    scaling = cfg.get("rope_scaling")
+    params = cfg.get("rope_parameters")
+    if isinstance(params, Mapping) and params:
+        if all(isinstance(v, Mapping) for v in params.values()):
+            raise UnsupportedModelError(
+                f"per-layer-type rope_parameters ({sorted(params)}) are not supported; "
+                "Llama-family models use one RoPE setting for every layer."
+            )
+        theta = params.get("rope_theta", theta)
+        rest = {k: v for k, v in params.items() if k != "rope_theta"}
+        if rest:
+            scaling = rest
+    if isinstance(scaling, Mapping):
+        scaling = {k: v for k, v in scaling.items() if k != "rope_theta"} or None
+    elif scaling is not None:
+        raise UnsupportedModelError(f"rope_scaling={scaling!r} is not a mapping; expected a dict with rope_type")
+    return float(10000.0 if theta is None else theta), (dict(scaling) if scaling else None)
 
 
 def _hashable(v):

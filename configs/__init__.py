@@ -1,0 +1,1 @@
+"""Pair configs (TOML) shipped with specjax; read with importlib.resources."""

@@ -1,0 +1,1 @@
+"""Drafter checkpoints shipped with specjax; read with importlib.resources."""
