@@ -143,3 +143,38 @@ def test_select_and_batches():
     sel = select_prompts(ps, ["a", "b"], 2)
     assert [p["question_id"] for p in sel] == [0, 1, 2, 3]
     assert make_batches(ps, 2) == [[0, 1], [5], [2, 3], [4, 6]]
+
+
+def test_peers_transformers_same_schema(tiny_dir, tmp_path, capsys, monkeypatch):
+    """benchmarks/peers_transformers.py on the tiny model: the same JSON schema as specjax bench."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "peers_transformers.py")
+    spec = importlib.util.spec_from_file_location("peers_transformers", path)
+    peers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peers)
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        rc = peers.main(["--prompts", _spec_bench(tmp_path), "--model", tiny_dir, "--categories", "qa", "coding",
+                         "--limit", "1", "--gamma", "2", "--draft-layers", "1", "--max-new-tokens", "4", "--ignore-eos",
+                         "--warmup", "0", "--threads", "1", "--json", "--no-progress"])
+    finally:
+        torch.set_num_threads(threads)
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    res = json.loads(out)
+    assert set(res) == {"config", "methods", "prompts"} and res["config"]["library"] == "transformers"
+    assert list(res["methods"]) == ["ar", "first1@γ2", "ngram:3@γ2"]
+    for m in res["methods"].values():
+        assert set(m["per_category"]) == {"qa", "coding"}
+        for f in ("tokens_per_s", "speedup", "mean_accepted_tokens", "acceptance_rate", "new_tokens",
+                  "target_calls", "decode_s", "wall_s", "bandwidth_gb_s"):
+            assert f in m["overall"]
+        assert m["overall"]["new_tokens"] == 8
+    assert res["methods"]["ar"]["overall"]["speedup"] == 1.0
+    assert res["config"]["greedy_mismatches_vs_ar"] == 0
