@@ -41,7 +41,10 @@ save_model(truncate_model(load_model(), 2, name='first2'), '$DRAFT_DIR')
 print('saved $DRAFT_DIR')"
 fi
 DRAFTS=(ngram "$DRAFT_DIR")
-if python -c "import specjax.shipped" 2>/dev/null; then DRAFTS+=(default); fi  # the trained drafter, when shipped
+# the trained drafter, when one is shipped
+if python -c "from specjax.shipped import shipped_drafter_path; shipped_drafter_path()" 2>/dev/null; then
+  DRAFTS+=(default)
+fi
 
 COMMON=(--prompts "$PROMPTS" --limit "$LIMIT" --max-new-tokens "$TOKENS" $EOS)
 
