@@ -1,0 +1,754 @@
+"""``specjax distill``: train a feature-level drafter (:mod:`specjax.drafters.eagle`) to
+match a target (DistillSpec, Zhou et al. 2023; EAGLE, Li et al. 2024).
+
+Pipeline (everything under ``--out DIR``):
+
+1. **data** (``DIR/data``, written to a temporary directory and renamed): the target's
+   own greedy continuations of the training prompts (both turns of multi-turn
+   questions, the second turn answered after the target's own first answer), then one
+   teacher forward per sequence storing the target's final hidden states ``h`` [N, D],
+   its top-k next-token probabilities and its argmax. With a tied head the hidden
+   states determine the logits exactly; top-k is kept for the loss.
+   ``--data drafter`` / ``both`` add on-policy sequences: continuations drafted by the
+   trained-so-far drafter (its greedy drafts, re-anchored on the target's true features
+   every γ tokens) scored by the target — generated after ``--onpolicy-after`` steps.
+2. **sub-vocabulary**: the ``--sub-vocab`` most frequent target tokens in the training
+   sequences (ties and the remainder filled by lowest id, i.e. earliest BPE merges).
+3. **training** (optax AdamW, linear warmup + cosine decay, global-norm clipping) on
+   windows of ``--window`` positions: loss = smooth-L1(f_t, h_t) + ``--ce-weight`` ×
+   cross-entropy(p_t top-k restricted to the sub-vocabulary, q_t), plus the same terms
+   for a second, unrolled pass that feeds the drafter's own predicted features (what
+   drafts 2..γ see). Greedy α (first draft, teacher-forced with true features) on the
+   held-out prompts every ``--eval-every`` steps.
+4. **checkpoints**: orbax ``CheckpointManager`` in ``DIR/ckpt`` (params, optimizer state,
+   step; written to a temporary directory and renamed by orbax, so a half-written step
+   is never listed); ``--resume`` restores the latest one and continues with the same
+   data order and keys (the batch and key of step s depend only on (seed, s)).
+5. **export**: ``DIR/drafter`` (safetensors + ``drafter.json`` with the target fingerprint),
+   loadable with :func:`specjax.drafters.eagle.load_drafter`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import time
+from collections import Counter, defaultdict
+
+import numpy as np
+
+RUN_KEYS = ("model", "prompts", "split", "steps", "seed", "batch_size", "lr", "eval_every", "data", "sub_vocab",
+            "intermediate", "window", "max_new_tokens", "gen_batch", "topk", "ce_weight", "unroll_weight",
+            "warmup", "checkpoint_every", "chat", "weight_decay", "max_prompt_tokens", "onpolicy_after", "gamma",
+            "data_dir")
+
+
+# --------------------------------------------------------------------------- prompts
+def read_records(path: str) -> list[dict]:
+    """JSONL records: Spec-Bench (``question_id``, ``category``, ``turns``), ``prompt`` text,
+    or ``ids`` (a token-id list, for models without a tokenizer)."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            o = json.loads(line)
+            rec = {"question_id": o.get("question_id", len(out)), "category": o.get("category", "all")}
+            if "ids" in o:
+                rec["ids"] = [int(i) for i in o["ids"]]
+            elif "turns" in o:
+                rec["turns"] = list(o["turns"])
+            elif "prompt" in o:
+                rec["turns"] = [o["prompt"]]
+            else:
+                raise ValueError(f"{path}:{lineno}: need 'ids', 'turns' or 'prompt'")
+            out.append(rec)
+    if not out:
+        raise ValueError(f"{path}: no prompts")
+    return out
+
+
+def make_split(records: list[dict], per_category: int = 5, small_category: int = 1, seed: int = 0) -> dict:
+    """Disjoint train/eval question ids: ``per_category`` eval questions per category with
+    at least 4×that many questions, ``small_category`` per smaller category."""
+    rng = np.random.default_rng(seed)
+    by = defaultdict(list)
+    for r in records:
+        by[r["category"]].append(r["question_id"])
+    ev = []
+    for cat in sorted(by):
+        ids = sorted(by[cat])
+        k = per_category if len(ids) >= 4 * per_category else small_category
+        ev += sorted(int(i) for i in rng.choice(ids, size=min(k, len(ids) - 1), replace=False))
+    ev_set = set(ev)
+    tr = sorted(int(r["question_id"]) for r in records if r["question_id"] not in ev_set)
+    return {"train": tr, "eval": sorted(ev)}
+
+
+# --------------------------------------------------------------------------- data
+def _encode(target, rec, chat, history=None):
+    tok = target.tokenizer
+    if "ids" in rec:
+        return list(rec["ids"])
+    if tok is None:
+        raise ValueError("the target has no tokenizer: give prompts as token ids ({'ids': [...]} per line)")
+    if not chat:
+        return tok.encode(rec["turns"][0])
+    msgs = history or [{"role": "user", "content": rec["turns"][0]}]
+    return tok.encode(tok.apply_chat_template(msgs), add_special_tokens=False)
+
+
+def _gen_fn(target, prompt_len: int, max_new: int, topk: int):
+    """Jitted greedy generation that also returns what training needs, so no separate
+    teacher pass is run: per position the target's final hidden state, top-k
+    probabilities and argmax (prefill positions and generated positions)."""
+    import jax
+    import jax.numpy as jnp
+
+    from specjax.models import llama
+
+    cfg, gd = target.config, target.graphdef
+
+    def stats(logits):
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        tv, ti = jax.lax.top_k(logp, topk)
+        return jnp.exp(tv), ti.astype(jnp.int32), jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    @jax.jit
+    def f(params, prompt, lengths):
+        b, p = prompt.shape
+        cache = llama.KVCache.create(cfg, b, p + max_new + 1, jnp.float32)
+        pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+        out = llama.apply(gd, params, prompt, pos, cache, cfg, return_hidden=True)
+        pp, pi, pa = stats(out.logits)
+        first = jnp.take_along_axis(pa, (lengths - 1)[:, None], axis=1)[:, 0]
+
+        def step(carry, i):
+            tok, cache = carry
+            o = llama.apply(gd, params, tok[:, None], (lengths + i)[:, None], cache, cfg, return_hidden=True)
+            sp, si, sa = stats(o.logits[:, 0])
+            return (sa, o.cache), (tok, o.hidden[:, 0], sp, si, sa)
+
+        _, (toks, gh, gp, gi, ga) = jax.lax.scan(step, (first, out.cache), jnp.arange(max_new, dtype=jnp.int32))
+        sw = lambda x: jnp.swapaxes(x, 0, 1)
+        return out.hidden, pp, pi, pa, sw(toks), sw(gh), sw(gp), sw(gi), sw(ga)
+
+    return f
+
+
+def generate_data(target, records, *, max_new_tokens, batch, chat, max_prompt_tokens, topk, parts_dir,
+                  first_ids=(), log=print):
+    """Greedy target continuations of the (chat-templated) prompts, each prompt cut to its
+    last ``max_prompt_tokens`` tokens (the hidden states are then exact for that cut
+    input), with the target's hidden states / top-k / argmax at every position.
+
+    Batches are written as they finish (``parts_dir/part_NNNN.npz``, atomically) and a
+    restart skips the parts already there; records in ``first_ids`` (e.g. the eval
+    questions) go first. Returns nothing: read the parts with :func:`collect_parts`.
+    """
+    import jax.numpy as jnp
+
+    os.makedirs(parts_dir, exist_ok=True)
+    rank = {q: i for i, q in enumerate(first_ids)}
+    items = []
+    for r in records:
+        ids = _encode(target, r, chat)[-max_prompt_tokens:]
+        items.append((r, ids))
+    items.sort(key=lambda x: (rank.get(x[0]["question_id"], len(rank)), x[0]["question_id"]))
+    p = max(len(x[1]) for x in items)
+    f = None
+    eos = set(target.config.eos_token_ids)
+    t0 = time.time()
+    for bi, lo in enumerate(range(0, len(items), batch)):
+        part = os.path.join(parts_dir, f"part_{bi:04d}.npz")
+        if os.path.exists(part):
+            continue
+        if f is None:
+            f = _gen_fn(target, p, max_new_tokens, topk)
+        chunk = items[lo: lo + batch]
+        rows = chunk + [chunk[-1]] * (batch - len(chunk))
+        prompt = np.zeros((batch, p), np.int32)
+        lens = np.array([len(x[1]) for x in rows], np.int32)
+        for j, (_, ids) in enumerate(rows):
+            prompt[j, : len(ids)] = ids
+        outs = [np.asarray(x) for x in f(target.params, jnp.asarray(prompt), jnp.asarray(lens))]
+        ph, pp, pi, pa, gt, gh, gp, gi, ga = outs
+        seqs, hid, tps, tis, ams = [], [], [], [], []
+        for j, (r, ids) in enumerate(chunk):
+            n = len(ids)
+            new = gt[j].tolist()  # new[i] is the input of step i (position n + i)
+            cut = len(new)
+            for i, t in enumerate(new):
+                if t in eos:
+                    cut = i + 1
+                    break
+            seqs.append({"question_id": r["question_id"], "category": r["category"], "ids": ids + new[:cut],
+                         "prompt_len": n, "turn": 0, "source": "target"})
+            hid += [ph[j, :n], gh[j, :cut]]
+            tps += [pp[j, :n], gp[j, :cut]]
+            tis += [pi[j, :n], gi[j, :cut]]
+            ams += [pa[j, :n], ga[j, :cut]]
+        tmp = part + ".tmp.npz"
+        np.savez(tmp, seqs=np.array(json.dumps(seqs)), hidden=np.concatenate(hid).astype(np.float32),
+                 topk_p=np.concatenate(tps).astype(np.float32), topk_idx=np.concatenate(tis).astype(np.int32),
+                 argmax=np.concatenate(ams).astype(np.int32))
+        os.replace(tmp, part)
+        log(f"generated {min(lo + batch, len(items))}/{len(items)} sequences ({time.time() - t0:.0f}s)")
+
+
+def collect_parts(parts_dir):
+    """All finished parts as ``(seqs with offsets, arrays)``."""
+    seqs, arrs = [], defaultdict(list)
+    off = 0
+    for name in sorted(os.listdir(parts_dir)):
+        if not (name.startswith("part_") and name.endswith(".npz")) or ".tmp" in name:
+            continue
+        z = np.load(os.path.join(parts_dir, name))
+        for q in json.loads(str(z["seqs"])):
+            q["offset"] = off
+            off += len(q["ids"])
+            seqs.append(q)
+        for k in ("hidden", "topk_p", "topk_idx", "argmax"):
+            arrs[k].append(z[k])
+    if not seqs:
+        raise DistillError(f"{parts_dir}: no generated data yet")
+    return seqs, {k: np.concatenate(v) for k, v in arrs.items()}
+
+
+def save_data(path, seqs, arrays):
+    tmp = path + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    for k, v in arrays.items():
+        np.save(os.path.join(tmp, k + ".npy"), v)
+    with open(os.path.join(tmp, "seqs.json"), "w") as f:
+        json.dump(seqs, f)
+    os.replace(tmp, path) if not os.path.exists(path) else (shutil.rmtree(path), os.replace(tmp, path))
+
+
+def load_data(path):
+    with open(os.path.join(path, "seqs.json")) as f:
+        seqs = json.load(f)
+    arrays = {k: np.load(os.path.join(path, k + ".npy")) for k in ("hidden", "topk_p", "topk_idx", "argmax")}
+    return seqs, arrays
+
+
+def choose_sub_vocab(seqs, vocab_size: int, k: int) -> np.ndarray:
+    """The ``k`` most frequent token ids in ``seqs`` (ties by lowest id), filled up with the
+    lowest unused ids (earliest BPE merges ≈ most frequent in the tokenizer's corpus). Sorted."""
+    k = min(k, vocab_size)
+    c = Counter()
+    for s in seqs:
+        c.update(s["ids"])
+    ranked = sorted(c.items(), key=lambda kv: (-kv[1], kv[0]))
+    chosen = [i for i, _ in ranked[:k] if i < vocab_size]
+    have = set(chosen)
+    i = 0
+    while len(chosen) < k:
+        if i not in have:
+            chosen.append(i)
+        i += 1
+    return np.array(sorted(chosen), np.int32)
+
+
+# --------------------------------------------------------------------------- windows / batches
+def make_windows(seqs, window: int, eval_only_response: bool = False):
+    """``(seq index, start)`` windows tiling each sequence from its end (response first)."""
+    out = []
+    for i, s in enumerate(seqs):
+        t = len(s["ids"])
+        if eval_only_response:
+            out.append((i, max(0, t - window)))
+            continue
+        st = t - window
+        while True:
+            out.append((i, max(0, st)))
+            if st <= 0:
+                break
+            st -= window
+    return out
+
+
+def build_batch(seqs, data, windows, sub_pos, window: int, d: int, eval_mask=False):
+    """Arrays for a list of windows: feats_in (h_{t-1}), tokens, target h, top-k (as
+    sub-vocab positions, −1 outside), target argmax as sub-vocab position (−1 outside),
+    loss mask, response mask, category index."""
+    b = len(windows)
+    fin = np.zeros((b, window, d), np.float32)
+    tok = np.zeros((b, window), np.int32)
+    th = np.zeros((b, window, d), np.float32)
+    k = data["topk_p"].shape[1]
+    tpp = np.zeros((b, window, k), np.float32)
+    tpi = np.full((b, window, k), -1, np.int32)
+    am = np.full((b, window), -1, np.int32)
+    mask = np.zeros((b, window), np.float32)
+    resp = np.zeros((b, window), np.float32)
+    for j, (i, st) in enumerate(windows):
+        s = seqs[i]
+        t = len(s["ids"])
+        n = min(window, t - st)
+        off = s["offset"]
+        tok[j, :n] = s["ids"][st: st + n]
+        th[j, :n] = data["hidden"][off + st: off + st + n]
+        if st > 0:
+            fin[j, 0] = data["hidden"][off + st - 1]
+        fin[j, 1:n] = data["hidden"][off + st: off + st + n - 1]
+        tpp[j, :n] = data["topk_p"][off + st: off + st + n]
+        tpi[j, :n] = sub_pos[data["topk_idx"][off + st: off + st + n]]
+        am[j, :n] = sub_pos[data["argmax"][off + st: off + st + n]]
+        mask[j, :n] = 1.0
+        pos = np.arange(st, st + n)
+        # response positions: predicting a generated token (positions prompt_len-1 .. t-2)
+        resp[j, :n] = ((pos >= s["prompt_len"] - 1) & (pos <= t - 2)).astype(np.float32)
+    return dict(feats=fin, tokens=tok, th=th, tp=tpp, ti=tpi, am=am, mask=mask, resp=resp)
+
+
+# --------------------------------------------------------------------------- model/loss
+def _loss_parts(cfg, params, batch, ce_weight, full_head=False):
+    """Per-position loss of the first pass (true features) and of the unrolled second
+    pass (own features), and greedy hits. The cross-entropy is over the target's top-k
+    candidates inside the sub-vocabulary (a ranking loss that needs only k head rows per
+    position; the feature regression keeps f near h for all other tokens). With
+    ``full_head`` the hits use the argmax over the whole sub-vocabulary (evaluation)."""
+    import jax
+    import jax.numpy as jnp
+
+    from specjax.drafters import eagle
+
+    b, w = batch["tokens"].shape
+    pos = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w))
+    cache = eagle.new_cache(cfg, b, w)
+    f, _ = eagle.forward(cfg, params, batch["feats"], batch["tokens"], pos, cache)
+    # pass 2: the drafter's own features as inputs (what drafts 2..γ see)
+    feats2 = jnp.concatenate([batch["feats"][:, :1], f[:, :-1]], axis=1)
+    f2, _ = eagle.forward(cfg, params, feats2, batch["tokens"], pos, cache)
+    head = params["frozen"]["head"]
+    ti = batch["ti"]
+    valid = ti >= 0
+    pp = jnp.where(valid, batch["tp"], 0.0)
+    pp = pp / jnp.maximum(pp.sum(-1, keepdims=True), 1e-9)
+    hk = jnp.take(head, jnp.maximum(ti, 0), axis=0)  # [B, W, k, D]
+
+    def terms(f):
+        diff = f - batch["th"]
+        ad = jnp.abs(diff)
+        sl1 = jnp.mean(jnp.where(ad < 1.0, 0.5 * diff * diff, ad - 0.5), axis=-1)
+        lk = jnp.einsum("bwd,bwkd->bwk", f, hk)
+        lk = jnp.where(valid, lk, -1e30)
+        logq = jax.nn.log_softmax(lk, axis=-1)
+        ce = -jnp.sum(jnp.where(valid, pp * logq, 0.0), axis=-1)
+        if full_head:
+            pred = jnp.argmax(eagle.sub_logits(params, f), axis=-1)
+        else:
+            pred = jnp.take_along_axis(ti, jnp.argmax(lk, axis=-1)[..., None], axis=-1)[..., 0]
+        hit = (pred == batch["am"]).astype(jnp.float32)
+        return sl1 + ce_weight * ce, hit
+
+    l1, hit1 = terms(f)
+    l2, hit2 = terms(f2)
+    return l1, l2, hit1, hit2
+
+
+def make_train_step(cfg, opt, ce_weight, unroll_weight):
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    def loss_fn(tp, frozen, batch):
+        params = {"train": tp, "frozen": frozen}
+        l1, l2, hit1, _ = _loss_parts(cfg, params, batch, ce_weight)
+        m = batch["mask"]
+        den = jnp.maximum(m.sum(), 1.0)
+        loss = (jnp.sum(l1 * m) + unroll_weight * jnp.sum(l2 * m)) / den
+        return loss, jnp.sum(hit1 * m) / den
+
+    @jax.jit
+    def step(tp, opt_state, frozen, batch):
+        (loss, acc), g = jax.value_and_grad(loss_fn, has_aux=True)(tp, frozen, batch)
+        upd, opt_state = opt.update(g, opt_state, tp)
+        tp = optax.apply_updates(tp, upd)
+        return tp, opt_state, loss, acc
+
+    return step
+
+
+def make_eval_fn(cfg):
+    import jax
+    import jax.numpy as jnp
+
+    @jax.jit
+    def ev(tp, frozen, batch):
+        _, _, hit1, hit2 = _loss_parts(cfg, {"train": tp, "frozen": frozen}, batch, 0.0, full_head=True)
+        m = batch["resp"]
+        return jnp.sum(hit1 * m, axis=1), jnp.sum(hit2 * m, axis=1), jnp.sum(m, axis=1)
+
+    return ev
+
+
+def make_optimizer(steps, lr, warmup, weight_decay):
+    import optax
+
+    warmup = max(1, min(warmup, steps // 5 or 1))
+    sched = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1), end_value=lr * 0.05)
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=weight_decay))
+
+
+# --------------------------------------------------------------------------- evaluation
+def evaluate(ev, tp, frozen, seqs, data, eval_idx, sub_pos, window, d, batch_size):
+    """Greedy α of the first draft (true features) and of a second draft (own features),
+    over the response positions of the eval sequences, pooled and per category."""
+    import jax.numpy as jnp
+
+    wins = make_windows([seqs[i] for i in eval_idx], window, eval_only_response=True)
+    wins = [(eval_idx[i], st) for i, st in wins]
+    by = defaultdict(lambda: np.zeros(3))
+    tot = np.zeros(3)
+    for lo in range(0, len(wins), batch_size):
+        chunk = wins[lo: lo + batch_size]
+        pad = chunk + [chunk[-1]] * (batch_size - len(chunk))
+        bt = build_batch(seqs, data, pad, sub_pos, window, d)
+        h1, h2, n = (np.asarray(x) for x in ev(tp, frozen, {k: jnp.asarray(v) for k, v in bt.items()}))
+        for j, (i, _) in enumerate(chunk):
+            v = np.array([h1[j], h2[j], n[j]])
+            by[seqs[i]["category"]] += v
+            tot += v
+    res = {"alpha": tot[0] / max(tot[2], 1), "alpha2": tot[1] / max(tot[2], 1), "positions": int(tot[2])}
+    res["by_category"] = {c: {"alpha": v[0] / max(v[2], 1), "alpha2": v[1] / max(v[2], 1), "positions": int(v[2])}
+                          for c, v in sorted(by.items())}
+    return res
+
+
+# --------------------------------------------------------------------------- main
+def _generation_order(records, ev_ids, tr_ids, batch):
+    """One batch of eval questions (round-robin over categories), then the training
+    questions round-robin over categories, then the other eval questions: a run stopped
+    early still has held-out data and every category."""
+    ev = _round_robin(records, ev_ids)
+    return ev[:batch] + _round_robin(records, tr_ids) + ev[batch:]
+
+
+def _round_robin(records, ids):
+    """``ids`` ordered round-robin over categories (generation order of the eval questions)."""
+    by = defaultdict(list)
+    for r in records:
+        if r["question_id"] in ids:
+            by[r["category"]].append(r["question_id"])
+    out = []
+    while any(by.values()):
+        for c in sorted(by):
+            if by[c]:
+                out.append(by[c].pop(0))
+    return out
+
+
+def latest_complete_step(mngr, ckdir):
+    """The newest step orbax lists whose directory is finalized. Orbax writes a step into
+    ``<step>.orbax-checkpoint-tmp-*`` and renames it when complete (such temporaries are
+    never listed); as a second guard a step directory without orbax's
+    ``_CHECKPOINT_METADATA`` file (written when a save completes) is skipped too."""
+    for step in sorted(mngr.all_steps(), reverse=True):
+        if os.path.isfile(os.path.join(ckdir, str(step), "_CHECKPOINT_METADATA")):
+            return step
+        _log(f"skipping incomplete checkpoint directory {os.path.join(ckdir, str(step))}")
+    return None
+
+
+class DistillError(ValueError):
+    pass
+
+
+def _log(msg):
+    print(f"[distill {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def run(args) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+
+    from specjax.drafters import eagle
+    from specjax.loading import load_model
+
+    out = os.path.abspath(args.out)
+    run_file = os.path.join(out, "run.json")
+    settings = {k: getattr(args, k) for k in RUN_KEYS}
+    if os.path.exists(out) and os.listdir(out):
+        if not args.resume:
+            raise DistillError(f"{out} exists and is not empty; pass --resume to continue that run, "
+                               "or choose a new --out (nothing there is overwritten)")
+        if not os.path.exists(run_file):
+            raise DistillError(f"{out} is not a specjax distill run (no run.json); refusing to touch it")
+        with open(run_file) as f:
+            saved = json.load(f)
+        settings = {k: saved.get(k, v) for k, v in settings.items()}
+        _log(f"resuming the run in {out}")
+    else:
+        if args.resume:
+            _log(f"--resume: {out} is empty, starting a new run")
+        os.makedirs(out, exist_ok=True)
+        with open(run_file + ".tmp", "w") as f:
+            json.dump(settings, f, indent=2)
+        os.replace(run_file + ".tmp", run_file)
+    s = argparse.Namespace(**settings)
+    if s.prompts is None:
+        raise DistillError("--prompts FILE is required (JSONL: Spec-Bench 'turns', 'prompt' or 'ids')")
+
+    target = load_model(s.model, dtype="float32")
+    records = read_records(s.prompts)
+    if s.split:
+        with open(s.split) as f:
+            split = json.load(f)
+    else:
+        split = make_split(records, seed=0)
+    tr_ids, ev_ids = set(split["train"]), set(split["eval"])
+    if tr_ids & ev_ids:
+        raise DistillError(f"the split is not disjoint: {sorted(tr_ids & ev_ids)[:5]} in both")
+    chat = bool(s.chat) and target.tokenizer is not None and target.tokenizer.chat_template is not None
+
+    # ---- data
+    data_dir = os.path.abspath(s.data_dir) if s.data_dir else os.path.join(out, "data")
+    if s.data_dir and not os.path.isdir(data_dir):
+        raise DistillError(f"--data-dir {s.data_dir}: no data set there (a run's DIR/data)")
+    if not s.data_dir:
+        recs = [r for r in records if r["question_id"] in tr_ids or r["question_id"] in ev_ids]
+        if s.data not in ("target", "both"):
+            _log("--data drafter: the first data set still comes from the target (the drafter starts untrained)")
+        generate_data(target, recs, max_new_tokens=s.max_new_tokens, batch=s.gen_batch, chat=chat,
+                      max_prompt_tokens=s.max_prompt_tokens, topk=s.topk, parts_dir=data_dir,
+                      first_ids=_generation_order(records, ev_ids, tr_ids, s.gen_batch), log=_log)
+    seqs, data = collect_parts(data_dir)
+    for q in seqs:
+        q["split"] = "eval" if q["question_id"] in ev_ids else "train"
+    vocab = target.config.vocab_size
+    train_idx = [i for i, q in enumerate(seqs) if q["split"] == "train"]
+    eval_idx = [i for i, q in enumerate(seqs) if q["split"] == "eval" and q["turn"] == 0]
+    sub_ids = choose_sub_vocab([seqs[i] for i in train_idx], vocab, s.sub_vocab)
+    sub_pos = np.full(vocab, -1, np.int32)
+    sub_pos[sub_ids] = np.arange(len(sub_ids), dtype=np.int32)
+    cov = np.mean([sub_pos[t] >= 0 for i in eval_idx for t in seqs[i]["ids"][seqs[i]["prompt_len"]:]] or [1.0])
+    _log(f"{len(train_idx)} train / {len(eval_idx)} eval sequences; {sum(len(seqs[i]['ids']) for i in train_idx)} "
+         f"train tokens; sub-vocab {len(sub_ids)} covers {cov:.3f} of eval response tokens")
+
+    cfg = eagle.EagleConfig.for_target(target.config, len(sub_ids), s.intermediate)
+    frozen = eagle.frozen_params(target, sub_ids)
+    d = cfg.hidden_size
+    tp = eagle.init_params(cfg, s.seed, target.params["final_norm"][...])
+    opt = make_optimizer(s.steps, s.lr, s.warmup, s.weight_decay)
+    opt_state = opt.init(tp)
+    step_fn = make_train_step(cfg, opt, s.ce_weight, s.unroll_weight)
+    ev_fn = make_eval_fn(cfg)
+
+    # ---- checkpoints
+    ckdir = os.path.join(out, "ckpt")
+    mngr = ocp.CheckpointManager(ckdir, options=ocp.CheckpointManagerOptions(
+        max_to_keep=3, save_interval_steps=1, enable_async_checkpointing=False, create=True))
+    start = 0
+    history = []
+    latest = latest_complete_step(mngr, ckdir)
+    if latest is not None:
+        tmpl = {"params": tp, "opt_state": opt_state, "step": np.asarray(0, np.int64)}
+        restored = mngr.restore(latest, args=ocp.args.StandardRestore(tmpl))
+        tp, opt_state = restored["params"], restored["opt_state"]
+        start = int(restored["step"])
+        hist_file = os.path.join(out, "history.json")
+        if os.path.exists(hist_file):
+            with open(hist_file) as f:
+                history = [h for h in json.load(f) if h["step"] <= start]
+        _log(f"restored checkpoint at step {start}")
+
+    windows = make_windows([seqs[i] for i in train_idx], s.window)
+    windows = [(train_idx[i], st) for i, st in windows]
+    nw = len(windows)
+    bs = s.batch_size
+
+    def batch_for(step):  # depends only on (seed, step): exact resume
+        epoch, pos = divmod(step * bs, nw)
+        idx = []
+        while len(idx) < bs:
+            perm = np.random.default_rng([s.seed, epoch]).permutation(nw)
+            take = perm[pos: pos + bs - len(idx)]
+            idx += take.tolist()
+            epoch, pos = epoch + 1, 0
+        return build_batch(seqs, data, [windows[i] for i in idx], sub_pos, s.window, d)
+
+    def do_eval(step):
+        r = evaluate(ev_fn, tp, frozen, seqs, data, eval_idx, sub_pos, s.window, d, bs)
+        r["step"] = step
+        history.append(r)
+        with open(os.path.join(out, "history.json.tmp"), "w") as f:
+            json.dump(history, f, indent=1)
+        os.replace(os.path.join(out, "history.json.tmp"), os.path.join(out, "history.json"))
+        return r
+
+    from tqdm import tqdm
+
+    if start == 0 and s.eval_every:
+        r0 = do_eval(0)
+        _log(f"step 0: α = {r0['alpha']:.3f} (second draft {r0['alpha2']:.3f})")
+    alpha = history[-1]["alpha"] if history else float("nan")
+    bar = tqdm(range(start, s.steps), initial=start, total=s.steps, desc="distill", file=sys.stderr,
+               disable=os.environ.get("SPECJAX_NO_PROGRESS") == "1", mininterval=2.0)
+    t0 = time.time()
+    loss = float("nan")
+    for step in bar:
+        b = {k: jnp.asarray(v) for k, v in batch_for(step).items()}
+        tp, opt_state, loss, acc = step_fn(tp, opt_state, frozen, b)
+        done = step + 1
+        if s.eval_every and (done % s.eval_every == 0 or done == s.steps):
+            alpha = do_eval(done)["alpha"]
+        if done % s.checkpoint_every == 0 or done == s.steps:
+            mngr.save(done, args=ocp.args.StandardSave({"params": tp, "opt_state": opt_state,
+                                                        "step": np.asarray(done, np.int64)}))
+            mngr.wait_until_finished()
+        bar.set_postfix(loss=f"{float(loss):.3f}", acc=f"{float(acc):.2f}", alpha=f"{alpha:.3f}")
+    bar.close()
+    mngr.wait_until_finished()
+    mngr.close()
+    train_s = time.time() - t0
+    final = history[-1] if history else {}
+    dd = os.path.join(out, "drafter")
+    shutil.rmtree(dd + ".tmp", ignore_errors=True)
+    eagle.save_drafter(dd + ".tmp", cfg, tp, sub_ids, target, extra={
+        "steps": s.steps, "seed": s.seed, "train_sequences": len(train_idx),
+        "train_tokens": int(sum(len(seqs[i]["ids"]) for i in train_idx)), "eval": final})
+    if os.path.exists(dd):
+        shutil.rmtree(dd)
+    os.replace(dd + ".tmp", dd)
+    _log(f"done: {s.steps} steps ({train_s:.0f}s this session), α = {final.get('alpha', float('nan')):.3f}; "
+         f"drafter in {dd}")
+    return {"out": out, "final": final, "train_s": train_s}
+
+
+def bench(args) -> dict:
+    """Real decode loop on the evaluation split: autoregressive vs the distilled drafter at
+    each γ, ``ngram`` and the untrained truncated target (first 2 layers), greedy, batch 1,
+    interleaved prompt by prompt (all kinds see the same machine load); compile time excluded.
+    Also checks that every speculative output equals the autoregressive one."""
+    from specjax.api import load_drafter
+    from specjax.decode import Decoder
+    from specjax.drafters import eagle
+    from specjax.drafters.model import ModelDrafter
+    from specjax.loading import load_model, truncate_model
+
+    out = os.path.abspath(args.out)
+    if os.path.exists(out) and os.listdir(out):
+        raise DistillError(f"{out} exists and is not empty; choose a new --out for the benchmark results")
+    os.makedirs(out, exist_ok=True)
+    target = load_model(args.model, dtype="float32")
+    records = read_records(args.prompts)
+    with open(args.split) as f:
+        ev = set(json.load(f)["eval"])
+    recs = [r for r in records if r["question_id"] in ev]
+    if args.bench_per_category:
+        seen = Counter()
+        keep = []
+        for r in recs:
+            if seen[r["category"]] < args.bench_per_category:
+                keep.append(r)
+                seen[r["category"]] += 1
+        recs = keep
+    prompts = [_encode(target, r, True) for r in recs]
+    gammas = [int(g) for g in args.bench_gammas.split(",")]
+    dr = (load_drafter("default", target) if args.bench == "default"
+          else eagle.load_drafter(args.bench, target))
+    kinds = [("ar", Decoder(target))]
+    kinds += [(f"distilled γ={g}", Decoder(target, dr, g)) for g in gammas]
+    kinds += [(f"ngram γ={g}", Decoder(target, load_drafter("ngram", target), g)) for g in (2, 4)]
+    kinds += [("first2 γ=2", Decoder(target, ModelDrafter.from_model(truncate_model(target, 2), name="first2"), 2))]
+    res = {k: {"new_tokens": 0, "decode_s": 0.0, "target_calls": 0, "accepted": 0, "checked": 0,
+               "by_category": defaultdict(lambda: [0, 0, 0, 0])} for k, _ in kinds}
+    mismatches = []
+    for i, (r, ids) in enumerate(zip(recs, prompts)):
+        ar_tokens = None
+        for name, dec in kinds:
+            g = dec.generate([ids], max_new_tokens=args.max_new_tokens)
+            st = g.stats[0]
+            if name == "ar":
+                ar_tokens = g.tokens[0]
+            elif g.tokens[0] != ar_tokens:
+                mismatches.append((name, r["question_id"]))
+            e = res[name]
+            e["new_tokens"] += len(g.tokens[0])
+            e["decode_s"] += g.decode_s
+            e["target_calls"] += st["target_calls"]
+            e["accepted"] += st["accepted_tokens"]
+            e["checked"] += st["checked_tokens"]
+            bc = e["by_category"][r["category"]]
+            bc[0] += len(g.tokens[0]); bc[1] += g.decode_s; bc[2] += st["accepted_tokens"]; bc[3] += st["checked_tokens"]
+        _log(f"bench {i + 1}/{len(recs)} ({r['category']}): " + ", ".join(
+            f"{k} {v['new_tokens'] / max(v['decode_s'], 1e-9):.1f} tok/s" for k, v in res.items()))
+    ar_tps = res["ar"]["new_tokens"] / res["ar"]["decode_s"]
+    ar_cat = {c: v[0] / v[1] for c, v in res["ar"]["by_category"].items()}
+    table = {}
+    for k, v in res.items():
+        tps = v["new_tokens"] / v["decode_s"]
+        table[k] = {"tokens_per_s": tps, "speedup": tps / ar_tps, "alpha": v["accepted"] / max(v["checked"], 1),
+                    "tokens_per_call": v["new_tokens"] / max(v["target_calls"], 1), "new_tokens": v["new_tokens"],
+                    "by_category": {c: {"speedup": (x[0] / x[1]) / ar_cat[c], "alpha": x[2] / max(x[3], 1)}
+                                    for c, x in sorted(v["by_category"].items())}}
+    result = {"prompts": len(recs), "max_new_tokens": args.max_new_tokens, "dtype": "float32", "batch": 1,
+              "greedy": True, "mismatches": mismatches, "table": table}
+    with open(os.path.join(out, "bench.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    for k, v in table.items():
+        print(f"{k:16s} {v['tokens_per_s']:6.2f} tok/s  speedup {v['speedup']:.2f}x  alpha {v['alpha']:.3f}  "
+              f"tokens/call {v['tokens_per_call']:.2f}")
+    if mismatches:
+        print(f"MISMATCH vs autoregressive: {mismatches}")
+    return result
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="target (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--out", required=True, help="run directory (refused if it exists, unless --resume)")
+    p.add_argument("--arch", default="eagle", choices=["eagle"], help="drafter kind")
+    p.add_argument("--prompts", default=None, help="JSONL prompts (Spec-Bench 'turns', 'prompt' or 'ids')")
+    p.add_argument("--split", default=None, help="JSON {'train': [question ids], 'eval': [...]}")
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=8, help="windows per step")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--checkpoint-every", type=int, default=50)
+    p.add_argument("--data", default="target", choices=["target", "drafter", "both"])
+    p.add_argument("--data-dir", default=None, help="reuse the data set of another run (its DIR/data)")
+    p.add_argument("--onpolicy-after", type=int, default=0)
+    p.add_argument("--gamma", type=int, default=4)
+    p.add_argument("--sub-vocab", type=int, default=8192, help="head rows: most frequent target tokens")
+    p.add_argument("--intermediate", type=int, default=1024, help="drafter MLP width")
+    p.add_argument("--window", type=int, default=192, help="positions per training window")
+    p.add_argument("--max-new-tokens", type=int, default=96, help="target continuation length")
+    p.add_argument("--max-prompt-tokens", type=int, default=96, help="keep the last N prompt tokens")
+    p.add_argument("--gen-batch", type=int, default=16)
+    p.add_argument("--topk", type=int, default=16, help="target probabilities stored per position")
+    p.add_argument("--ce-weight", type=float, default=0.5)
+    p.add_argument("--unroll-weight", type=float, default=0.5)
+    p.add_argument("--no-chat", dest="chat", action="store_false", help="prompts without the chat template")
+    p.add_argument("--bench", default=None, metavar="DRAFTER_DIR",
+                   help="instead of training: benchmark a distilled drafter ('default' = the shipped one) on the "
+                        "--split eval prompts vs autoregressive, ngram and the truncated target; results in --out")
+    p.add_argument("--bench-gammas", default="2,3,4,5")
+    p.add_argument("--bench-per-category", type=int, default=0, help="limit eval prompts per category (0 = all)")
+
+
+def cmd_distill(args) -> int:
+    if args.bench:
+        if not (args.prompts and args.split):
+            raise DistillError("--bench needs --prompts and --split (the evaluation question ids)")
+        bench(args)
+        return 0
+    run(args)
+    return 0
+
+
+def register_cli(subparsers) -> None:
+    p = subparsers.add_parser("distill", help="train a drafter for a target (optax + orbax, resumable)")
+    add_args(p)
+    p.set_defaults(func=cmd_distill)

@@ -1,0 +1,353 @@
+"""A feature-level drafter (EAGLE, Li et al. 2024) with a frequent-token sub-vocabulary head.
+
+Architecture (per position t, D = the target's width):
+
+    x_t = fc([h_{t-1} ; e(x_t)])           fc: 2D → D (+ bias); h = target final hidden state
+    y_t = Block(x_t)                        one Llama decoder block, its own small KV cache
+    f_t = RMSNorm(y_t)                      predicted feature ≈ h_t (the target's state at t)
+    q(x_{t+1}) ∝ exp(f_t · E[s])  for s in the sub-vocabulary S, 0 elsewhere
+
+``e`` is the target's (frozen) token embedding and ``E[S]`` the frozen rows of the
+target's tied LM head restricted to the |S| (e.g. 8k) most frequent tokens: the head
+costs |S|/V of the full one, and the drafter stays exact because q is exactly what is
+sampled from (``-inf`` logits outside S → probability 0 after ``sampling.process``).
+Only ``fc``, the block and the output norm are trained (and shipped); ``embed``,
+``head`` and ``sub_ids`` are taken from the target at load time.
+
+Decode-loop protocol (see :mod:`specjax.drafters.base`). Let L = committed length,
+n = last_accepted, L0 = L − n − 1 (the committed length before the last round). The
+last target call's hidden states ``target_hidden[:, j]`` are h at positions L0−1+j.
+Each round:
+
+1. one (γ+1)-token drafter call at positions L0 .. L0+γ with inputs
+   ``[target_hidden[:, j] ; e(tokens[L0+j])]``: rewrites the drafter's KV for every
+   newly committed position with TRUE target features (positions past L−1 get stale
+   values that later calls overwrite before anything reads them); its output at index
+   n (position L−1) gives q_1;
+2. γ−1 one-token steps that feed the drafter's own predicted feature and the previous
+   draft token (``lax.scan``).
+
+In the first round after the prefill there is no target call yet; ``init_state`` keeps
+the prompt's h at position P−2 and the first round uses it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.config import ModelConfig
+from specjax.drafters.base import DraftContext, Proposal
+from specjax.models import llama
+from specjax.sampling import sample
+
+TRAINABLE = ("fc", "fc_b", "layer", "out_norm")
+LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleConfig:
+    """Static shape of an EAGLE drafter (hashable).
+
+    layer: a one-layer :class:`ModelConfig` (width, heads, RoPE, eps of the target; its
+      ``intermediate_size`` is the drafter's MLP width; ``vocab_size`` is the TARGET vocab).
+    sub_vocab: |S|, rows of the head.
+    """
+
+    layer: ModelConfig
+    sub_vocab: int
+
+    @property
+    def hidden_size(self) -> int:
+        return self.layer.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.layer.vocab_size
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return self.layer.max_position_embeddings
+
+    def to_json(self) -> dict:
+        l = self.layer
+        return {"kind": "eagle", "hidden_size": l.hidden_size, "intermediate_size": l.intermediate_size,
+                "num_heads": l.num_heads, "num_kv_heads": l.num_kv_heads, "head_dim": l.head_dim,
+                "sub_vocab": self.sub_vocab, "vocab_size": l.vocab_size}
+
+    @classmethod
+    def for_target(cls, target_cfg: ModelConfig, sub_vocab: int, intermediate_size: int | None = None,
+                   num_heads: int | None = None, num_kv_heads: int | None = None) -> "EagleConfig":
+        """A drafter config matching ``target_cfg``'s width, heads and RoPE."""
+        layer = dataclasses.replace(
+            target_cfg, num_layers=1,
+            intermediate_size=int(intermediate_size or target_cfg.intermediate_size),
+            num_heads=int(num_heads or target_cfg.num_heads),
+            num_kv_heads=int(num_kv_heads or target_cfg.num_kv_heads),
+            head_dim=target_cfg.head_dim if num_heads is None else target_cfg.hidden_size // int(num_heads),
+        )
+        return cls(layer=layer, sub_vocab=int(min(sub_vocab, target_cfg.vocab_size)))
+
+
+def init_params(cfg: EagleConfig, seed: int = 0, target_final_norm=None) -> dict:
+    """Random trainable parameters (N(0, 0.02); norms 1; the output norm copies the
+    target's final norm when given, so f lives where the target's h does)."""
+    l = cfg.layer
+    d, f = l.hidden_size, l.intermediate_size
+    ks = jax.random.split(jax.random.PRNGKey(seed), 8)
+    n = lambda k, s: 0.02 * jax.random.normal(k, s, jnp.float32)
+    layer = {
+        "attn_norm": jnp.ones((d,), jnp.float32),
+        "wq": n(ks[1], (d, l.num_heads * l.head_dim)),
+        "wk": n(ks[2], (d, l.num_kv_heads * l.head_dim)),
+        "wv": n(ks[3], (d, l.num_kv_heads * l.head_dim)),
+        "wo": n(ks[4], (l.num_heads * l.head_dim, d)),
+        "mlp_norm": jnp.ones((d,), jnp.float32),
+        "w_gate": n(ks[5], (d, f)),
+        "w_up": n(ks[6], (d, f)),
+        "w_down": n(ks[7], (f, d)),
+    }
+    out_norm = jnp.ones((d,), jnp.float32) if target_final_norm is None else jnp.asarray(target_final_norm, jnp.float32)
+    return {"fc": n(ks[0], (2 * d, d)), "fc_b": jnp.zeros((d,), jnp.float32), "layer": layer, "out_norm": out_norm}
+
+
+def target_embed(target) -> jax.Array:
+    """The target's token embedding ``[V, D]`` (also its tied head)."""
+    return target.params["embed"][...]
+
+
+def frozen_params(target, sub_ids) -> dict:
+    """The parts taken from the target: full embedding (input lookups), head rows of the
+    sub-vocabulary (``[|S|, D]``, from the tied embedding or the untied head) and ``sub_ids``."""
+    sub_ids = jnp.asarray(np.asarray(sub_ids, np.int32))
+    emb = target_embed(target)
+    if target.config.tie_word_embeddings:
+        head = jnp.take(emb, sub_ids, axis=0)
+    else:
+        head = jnp.take(target.params["lm_head"][...], sub_ids, axis=1).T
+    return {"embed": emb, "head": jnp.asarray(head, jnp.float32), "sub_ids": sub_ids}
+
+
+def new_cache(cfg: EagleConfig, batch: int, max_len: int, dtype=jnp.float32) -> llama.KVCache:
+    return llama.KVCache.create(cfg.layer, batch, max_len, dtype)
+
+
+def forward(cfg: EagleConfig, params: dict, feats, tokens, positions, cache: llama.KVCache):
+    """Drafter block over T positions.
+
+    Args:
+      params: ``{"train": trainable, "frozen": frozen}``.
+      feats: ``[B, T, D]`` h_{t-1} per position (target's or the drafter's own).
+      tokens: ``[B, T]`` x_t; positions ``[B, T]`` contiguous per row.
+    Returns:
+      ``(f [B, T, D] float32 predicted features, cache with K/V written at the positions)``.
+    """
+    l = cfg.layer
+    tp, fz = params["train"], params["frozen"]
+    lp = tp["layer"]
+    b, t = tokens.shape
+    hd = l.head_dim
+    e = jnp.take(fz["embed"], tokens, axis=0).astype(jnp.float32)
+    x = llama.dense(jnp.concatenate([feats.astype(jnp.float32), e], axis=-1), tp["fc"], tp["fc_b"])
+    inv_freq = jnp.asarray(l.rope_inv_freq())
+    z = llama.rms_norm(x, lp["attn_norm"], l.rms_norm_eps)
+    q = llama.dense(z, lp["wq"]).reshape(b, t, l.num_heads, hd)
+    k = llama.dense(z, lp["wk"]).reshape(b, t, l.num_kv_heads, hd)
+    v = llama.dense(z, lp["wv"]).reshape(b, t, l.num_kv_heads, hd)
+    q = llama.rope(q, positions, inv_freq)
+    k = llama.rope(k, positions, inv_freq)
+    starts = positions[:, 0]
+    kc = llama._write(cache.k[0], k.transpose(0, 2, 1, 3), starts)
+    vc = llama._write(cache.v[0], v.transpose(0, 2, 1, 3), starts)
+    a = llama._attention(q.astype(kc.dtype), kc, vc, positions, l)
+    x = x + llama.dense(a, lp["wo"])
+    z = llama.rms_norm(x, lp["mlp_norm"], l.rms_norm_eps)
+    x = x + llama.dense(jax.nn.silu(llama.dense(z, lp["w_gate"])) * llama.dense(z, lp["w_up"]), lp["w_down"])
+    f = llama.rms_norm(x, tp["out_norm"], l.rms_norm_eps)
+    return f, llama.KVCache(k=[kc], v=[vc], lengths=cache.lengths)
+
+
+def sub_logits(params: dict, f) -> jax.Array:
+    """Logits over the sub-vocabulary ``[..., |S|]``."""
+    head = params["frozen"]["head"]
+    return jnp.einsum("...d,sd->...s", f.astype(head.dtype), head, preferred_element_type=jnp.float32)
+
+
+def full_logits(params: dict, f, vocab_size: int) -> jax.Array:
+    """Logits over the target vocab ``[..., V]``: ``-inf`` outside the sub-vocabulary."""
+    s = sub_logits(params, f)
+    out = jnp.full(s.shape[:-1] + (vocab_size,), -jnp.inf, jnp.float32)
+    return out.at[..., params["frozen"]["sub_ids"]].set(s)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class EagleDrafter:
+    """EAGLE-style feature drafter (static part; ``params`` = ``{"train", "frozen"}``)."""
+
+    config: EagleConfig
+    params: Any = dataclasses.field(repr=False, default=None)
+    name: str = "eagle"
+
+    def _key(self):
+        return (self.config, self.name)
+
+    def __hash__(self):
+        return hash(self._key())
+
+    def __eq__(self, other):
+        return isinstance(other, EagleDrafter) and self._key() == other._key()
+
+    def init_state(self, params, context: DraftContext, max_len: int):
+        b, s = context.tokens.shape
+        h = context.target_hidden  # [B, P, D] prompt hidden states
+        p = h.shape[1]
+        cache = new_cache(self.config, b, max_len)
+        feats = jnp.concatenate([jnp.zeros_like(h[:, :1]), h[:, :-1]], axis=1)
+        pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+        _, cache = forward(self.config, params, feats, context.tokens[:, :p], pos, cache)
+        idx = jnp.clip(context.lengths - 2, 0, p - 1)
+        h0 = jnp.take_along_axis(h, idx[:, None, None], axis=1)[:, 0]
+        h0 = jnp.where((context.lengths >= 2)[:, None], h0, 0.0)
+        return {"cache": cache, "h0": h0.astype(jnp.float32), "fresh": jnp.ones((b,), bool)}
+
+    def propose(self, params, state, context: DraftContext, keys, gamma: int, vocab_size: int) -> Proposal:
+        cfg = self.config
+        lengths = context.lengths
+        n = context.last_accepted
+        hid = context.target_hidden  # [B, γ+1, D]
+        fresh = state["fresh"]
+        hid = jnp.where(fresh[:, None, None], hid.at[:, 0].set(state["h0"]), hid)
+        l0 = lengths - n - 1
+        buf = context.tokens.shape[1]
+        pos = l0[:, None] + jnp.arange(hid.shape[1], dtype=jnp.int32)
+        toks = jnp.take_along_axis(context.tokens, jnp.minimum(pos, buf - 1), axis=1)
+        f, cache = forward(cfg, params, hid, toks, pos, state["cache"])
+        f1 = jnp.take_along_axis(f, n[:, None, None], axis=1)[:, 0]  # position L-1
+
+        def draw(feat, key_col):
+            probs = context.sampling.process(full_logits(params, feat, vocab_size))
+            return jax.vmap(sample)(key_col, probs), probs
+
+        x1, q1 = draw(f1, keys[:, 0])
+
+        def step(carry, inp):
+            tok, feat, cache = carry
+            i, key_col = inp
+            p_ = (lengths - 1 + i)[:, None]
+            fo, cache = forward(cfg, params, feat[:, None], tok[:, None], p_, cache)
+            nxt, probs = draw(fo[:, 0], key_col)
+            return (nxt, fo[:, 0], cache), (nxt, probs)
+
+        if gamma > 1:
+            idx = jnp.arange(1, gamma, dtype=jnp.int32)
+            (_, _, cache), (tk, pr) = jax.lax.scan(step, (x1, f1, cache), (idx, jnp.swapaxes(keys[:, 1:], 0, 1)))
+            tokens = jnp.concatenate([x1[:, None], jnp.swapaxes(tk, 0, 1)], axis=1)
+            q = jnp.concatenate([q1[:, None], jnp.swapaxes(pr, 0, 1)], axis=1)
+        else:
+            tokens, q = x1[:, None], q1[:, None]
+        state = {"cache": cache, "h0": state["h0"], "fresh": jnp.zeros_like(fresh)}
+        return Proposal(tokens.astype(jnp.int32), q, jnp.full(lengths.shape, gamma, jnp.int32), state)
+
+
+# ------------------------------------------------------------------ fingerprint / files
+def target_fingerprint(target) -> str:
+    """SHA-256 over the target's config, a few weight tensors (bytes of the float32
+    embedding's first/last rows, the final norm, layer 0's wq) and its tokenizer fingerprint."""
+    import hashlib
+
+    cfg = target.config
+    h = hashlib.sha256()
+    h.update(json.dumps({k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(cfg).items()},
+                        sort_keys=True, default=str).encode())
+    emb = np.asarray(jnp.asarray(target_embed(target), jnp.float32))
+    for a in (emb[:4], emb[-4:], np.asarray(jnp.asarray(target.params["final_norm"][...], jnp.float32)),
+              np.asarray(jnp.asarray(target.params["layers"][0]["wq"][...], jnp.float32))[:4]):
+        # rounded so float32 vs bfloat16 loads of the same weights agree
+        h.update(np.round(a.astype(np.float64), 2).astype(np.float32).tobytes())
+    tok = getattr(target, "tokenizer", None)
+    h.update((tok.fingerprint() if tok is not None else "no-tokenizer").encode())
+    return h.hexdigest()
+
+
+def flat_trainable(tp: dict) -> dict[str, np.ndarray]:
+    out = {"fc": tp["fc"], "fc_b": tp["fc_b"], "out_norm": tp["out_norm"]}
+    for k in LAYER_KEYS:
+        out[f"layer.{k}"] = tp["layer"][k]
+    return {k: np.asarray(v) for k, v in out.items()}
+
+
+def unflat_trainable(flat: dict) -> dict:
+    return {"fc": jnp.asarray(flat["fc"], jnp.float32), "fc_b": jnp.asarray(flat["fc_b"], jnp.float32),
+            "out_norm": jnp.asarray(flat["out_norm"], jnp.float32),
+            "layer": {k: jnp.asarray(flat[f"layer.{k}"], jnp.float32) for k in LAYER_KEYS}}
+
+
+def save_drafter(path: str, cfg: EagleConfig, trainable: dict, sub_ids, target, extra: dict | None = None,
+                 dtype: str = "float32") -> None:
+    """Write ``model.safetensors`` (trainable weights + ``sub_ids``) and ``drafter.json``
+    (config, target fingerprint) into the directory ``path`` (created; must not exist or be empty)."""
+    import os
+
+    from safetensors.numpy import save_file
+
+    os.makedirs(path, exist_ok=True)
+    tensors = flat_trainable(trainable)
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        tensors = {k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()}
+    tensors["sub_ids"] = np.asarray(sub_ids, np.int32)
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "specjax-eagle"})
+    meta = {"config": cfg.to_json(), "target_fingerprint": target_fingerprint(target),
+            "target_tokenizer_fingerprint": target.tokenizer.fingerprint() if target.tokenizer else None,
+            "target_name": target.name}
+    meta.update(extra or {})
+    with open(os.path.join(path, "drafter.json"), "w") as f:
+        json.dump(meta, f, indent=2)
+
+
+def load_drafter(path, target, dtype: str = "float32", name: str = "eagle", check: bool = True) -> EagleDrafter:
+    """Load an EAGLE drafter saved by :func:`save_drafter` for ``target``.
+
+    ``path`` may be a directory path or an ``importlib.resources`` Traversable.
+
+    Raises:
+      CheckpointError: missing files, or the drafter was trained for another target
+        (fingerprint mismatch: config, weights or tokenizer differ).
+    """
+    from safetensors.numpy import load as st_load
+
+    from specjax.config import CheckpointError
+
+    import pathlib
+
+    p = pathlib.Path(path) if isinstance(path, str) else path
+    try:
+        meta = json.loads((p / "drafter.json").read_text())
+        raw = (p / "model.safetensors").read_bytes()
+    except (FileNotFoundError, OSError) as e:
+        raise CheckpointError(f"{path}: not an EAGLE drafter directory ({e})") from None
+    if check:
+        fp = target_fingerprint(target)
+        if meta.get("target_fingerprint") != fp:
+            tok_fp = target.tokenizer.fingerprint() if target.tokenizer is not None else None
+            why = ("its tokenizer differs" if tok_fp != meta.get("target_tokenizer_fingerprint")
+                   else "its config or weights differ")
+            raise CheckpointError(
+                f"the drafter in {path} was trained for target {meta.get('target_name')!r} "
+                f"(fingerprint {str(meta.get('target_fingerprint'))[:12]}…), not for {target.name!r} "
+                f"(fingerprint {fp[:12]}…: {why}); use --draft ngram, or train one with `specjax distill`")
+    tensors = st_load(raw)
+    c = meta["config"]
+    cfg = EagleConfig.for_target(target.config, c["sub_vocab"], c["intermediate_size"], c["num_heads"], c["num_kv_heads"])
+    tp = unflat_trainable({k: np.asarray(v, np.float32) for k, v in tensors.items() if k != "sub_ids"})
+    if dtype == "bfloat16":  # weights rounded to bf16, computed in float32 (rows are few: bf16 matmuls are slow here)
+        tp = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16).astype(jnp.float32), tp)
+    fz = frozen_params(target, tensors["sub_ids"])
+    return EagleDrafter(cfg, {"train": tp, "frozen": fz}, name=name)

@@ -1,0 +1,191 @@
+"""Distillation (``specjax distill``) and the shipped default drafter.
+
+Gates: (a) training a tiny EAGLE drafter for a tiny peaked target raises greedy α from
+below 0.3 to above 0.6 within a minute; (b) SIGKILL at a random step + ``--resume``
+gives bitwise the same final parameters as an uninterrupted run, and a half-written
+checkpoint directory is never loaded; (c) the shipped drafter loads, rejects another
+target, and greedy speculative decoding with it equals greedy autoregressive decoding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import tiny_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CACHE = os.environ.get("SPECJAX_TEST_CACHE", os.path.join(ROOT, ".jax_cache"))
+
+TINY_FLAGS = ["--sub-vocab", "64", "--intermediate", "64", "--window", "32", "--batch-size", "8",
+              "--max-new-tokens", "20", "--max-prompt-tokens", "12", "--gen-batch", "16", "--lr", "3e-3",
+              "--warmup", "5"]
+
+
+@pytest.fixture(scope="module")
+def tiny_setup(tmp_path_factory):
+    """A peaked tiny target saved as a HF directory, 40 token-id prompts, and one shared data set."""
+    from specjax.loading import save_model
+
+    d = tmp_path_factory.mktemp("distill")
+    target = tiny_model(0, scale=20.0)
+    save_model(target, str(d / "target"))
+    rng = np.random.default_rng(0)
+    with open(d / "prompts.jsonl", "w") as f:
+        for i in range(40):
+            ids = rng.integers(2, 128, size=int(rng.integers(3, 12))).tolist()
+            f.write(json.dumps({"question_id": i, "category": f"c{i % 2}", "ids": ids}) + "\n")
+    return d
+
+
+def _args(setup, out, *extra):
+    from specjax.distill import add_args
+
+    p = argparse.ArgumentParser()
+    add_args(p)
+    return p.parse_args(["--model", str(setup / "target"), "--out", str(out), "--prompts",
+                         str(setup / "prompts.jsonl"), *TINY_FLAGS, *extra])
+
+
+def test_gate_distill_raises_alpha(tiny_setup):
+    from specjax import distill
+
+    t0 = time.perf_counter()
+    res = distill.run(_args(tiny_setup, tiny_setup / "gate_a", "--steps", "60", "--eval-every", "30",
+                            "--checkpoint-every", "30"))
+    elapsed = time.perf_counter() - t0
+    hist = json.loads((tiny_setup / "gate_a" / "history.json").read_text())
+    assert hist[0]["step"] == 0 and hist[0]["alpha"] < 0.3, hist[0]
+    assert res["final"]["alpha"] > 0.6, res["final"]
+    assert elapsed < 60, f"distillation took {elapsed:.0f}s"
+    # the exported drafter is exact: greedy speculative == greedy autoregressive on the tiny target
+    from specjax.decode import Decoder
+    from specjax.drafters import eagle
+    from specjax.loading import load_model
+
+    target = load_model(str(tiny_setup / "target"))
+    dr = eagle.load_drafter(str(tiny_setup / "gate_a" / "drafter"), target)
+    prompts = [[5, 9, 17, 3], [44], [7, 7, 8, 100, 2, 3]]
+    ar = Decoder(target).generate(prompts, max_new_tokens=16, eos_ids=[])
+    sp = Decoder(target, dr, 3).generate(prompts, max_new_tokens=16, eos_ids=[])
+    assert sp.tokens == ar.tokens
+    assert sum(s["accepted_tokens"] for s in sp.stats) > 0
+
+
+def test_refuses_existing_out(tiny_setup, tmp_path):
+    from specjax import distill
+
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="--resume"):
+        distill.run(_args(tiny_setup, out, "--steps", "1"))
+    with pytest.raises(ValueError, match="not a specjax distill run"):
+        distill.run(_args(tiny_setup, out, "--steps", "1", "--resume"))
+    assert (out / "notes.txt").read_text() == "mine" and sorted(os.listdir(out)) == ["notes.txt"]
+
+
+def _cli(setup, out, data_dir, *extra):
+    return [sys.executable, "-m", "specjax.cli", "distill", "--model", str(setup / "target"), "--out", str(out),
+            "--prompts", str(setup / "prompts.jsonl"), "--data-dir", str(data_dir), *TINY_FLAGS,
+            "--steps", "24", "--eval-every", "0", "--checkpoint-every", "3", "--seed", "3", *extra]
+
+
+def _tensors(out):
+    from safetensors.numpy import load_file
+
+    return load_file(str(out / "drafter" / "model.safetensors"))
+
+
+def test_gate_sigkill_resume_bitwise(tiny_setup):
+    from specjax import distill
+
+    data_dir = tiny_setup / "gate_a" / "data"
+    if not data_dir.exists():  # gate (a) not run (e.g. -k): make the data set here
+        distill.run(_args(tiny_setup, tiny_setup / "data_only", "--steps", "0", "--eval-every", "0"))
+        data_dir = tiny_setup / "data_only" / "data"
+    env = dict(os.environ, SPECJAX_CACHE=os.path.abspath(CACHE), SPECJAX_NO_PROGRESS="1", PYTHONPATH=ROOT)
+    ref, killed = tiny_setup / "ref", tiny_setup / "killed"
+    # the interrupted run: SIGKILL once a random checkpoint step exists
+    kill_at = random.Random().choice([3, 6, 9, 12, 15, 18])
+    proc = subprocess.Popen(_cli(tiny_setup, killed, data_dir), env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.time() + 90
+    ck = killed / "ckpt"
+    while time.time() < deadline and proc.poll() is None:
+        if ck.exists() and any(n.isdigit() and int(n) >= kill_at for n in os.listdir(ck)):
+            break
+        time.sleep(0.05)
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, f"the run ended before the kill (rc {proc.returncode})"
+    steps = sorted(int(n) for n in os.listdir(ck) if n.isdigit())
+    assert steps and steps[-1] < 24 and not (killed / "drafter").exists()
+    # a half-written checkpoint (what a crash mid-save leaves: orbax's temporary directory),
+    # and a step directory without orbax's metadata: neither may be loaded
+    bad = ck / "21.orbax-checkpoint-tmp-1700000000"
+    shutil.copytree(ck / str(steps[-1]), bad)
+    for p in sorted(bad.rglob("*")):
+        if p.is_file():
+            p.write_bytes(b"\0garbage")
+    bad2 = ck / "22"
+    bad2.mkdir()
+    (bad2 / "default").mkdir()
+    r = subprocess.run(_cli(tiny_setup, killed, data_dir, "--resume"), env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"restored checkpoint at step {steps[-1]}" in r.stderr
+    assert "skipping incomplete checkpoint" in r.stderr
+    # the uninterrupted reference (same seed)
+    r = subprocess.run(_cli(tiny_setup, ref, data_dir), env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = _tensors(ref), _tensors(killed)
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].tobytes() == b[k].tobytes(), f"{k} differs after resume"
+
+
+def test_shipped_drafter_default_model(default_model):
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from specjax import shipped
+    from specjax.api import load_drafter
+    from specjax.config import CheckpointError
+    from specjax.decode import Decoder
+
+    dr = load_drafter("default", default_model)
+    assert dr.config.hidden_size == default_model.config.hidden_size
+    # another target (one weight tensor changed; a tiny model) is refused
+    params = default_model.params
+    other = default_model.replace(params=jax_tree_scale_embed(params), name="other")
+    with pytest.raises(CheckpointError, match="trained for"):
+        shipped.load_default_drafter(other)
+    with pytest.raises(CheckpointError):
+        shipped.load_default_drafter(tiny_model(0))
+    tok = default_model.tokenizer
+    ids = tok.encode(tok.apply_chat_template("Name three colors of the rainbow."), add_special_tokens=False)
+    ar = Decoder(default_model).generate([ids], max_new_tokens=24)
+    sp = Decoder(default_model, dr, 3).generate([ids], max_new_tokens=24)
+    assert sp.tokens == ar.tokens
+    assert sp.stats[0]["acceptance_rate"] > 0.3
+
+
+def jax_tree_scale_embed(params):
+    import jax
+
+    p = jax.tree_util.tree_map(lambda x: x, params)
+    p["embed"].value = p["embed"].value * 1.5
+    return p
