@@ -140,8 +140,58 @@ def _gen_fn(target, prompt_len: int, max_new: int, topk: int):
     return f
 
 
+def _onpolicy_fn(target, dcfg, prompt_len: int, max_new: int, topk: int):
+    """Like :func:`_gen_fn`, but the continuation is the DRAFTER's (greedy first drafts,
+    each made from the target's true feature of the previous position) and the target
+    scores every position (hidden state, top-k, argmax): on-policy data (DistillSpec)."""
+    import jax
+    import jax.numpy as jnp
+
+    from specjax.drafters import eagle
+    from specjax.models import llama
+
+    cfg, gd = target.config, target.graphdef
+
+    def stats(logits):
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        tv, ti = jax.lax.top_k(logp, topk)
+        return jnp.exp(tv), ti.astype(jnp.int32), jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    @jax.jit
+    def f(params, dparams, prompt, lengths):
+        b, p = prompt.shape
+        n = p + max_new + 1
+        cache = llama.KVCache.create(cfg, b, n, jnp.float32)
+        pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+        out = llama.apply(gd, params, prompt, pos, cache, cfg, return_hidden=True)
+        pp, pi, pa = stats(out.logits)
+        dcache = eagle.new_cache(dcfg, b, n)
+        feats = jnp.concatenate([jnp.zeros_like(out.hidden[:, :1]), out.hidden[:, :-1]], axis=1)
+        fd, dcache = eagle.forward(dcfg, dparams, feats, prompt, pos, dcache)
+        sub = dparams["frozen"]["sub_ids"]
+        last = (lengths - 1)[:, None, None]
+        first = sub[jnp.argmax(eagle.sub_logits(dparams, jnp.take_along_axis(fd, last, axis=1)[:, 0]), axis=-1)]
+        h_prev = jnp.take_along_axis(out.hidden, last, axis=1)[:, 0]
+
+        def step(carry, i):
+            tok, h_prev, cache, dcache = carry  # tok = x_t at t = length + i; h_prev = true h_{t-1}
+            p_ = (lengths + i)[:, None]
+            o = llama.apply(gd, params, tok[:, None], p_, cache, cfg, return_hidden=True)
+            sp, si, sa = stats(o.logits[:, 0])
+            fd, dcache = eagle.forward(dcfg, dparams, h_prev[:, None], tok[:, None], p_, dcache)
+            nxt = sub[jnp.argmax(eagle.sub_logits(dparams, fd[:, 0]), axis=-1)]
+            return (nxt, o.hidden[:, 0], o.cache, dcache), (tok, o.hidden[:, 0], sp, si, sa)
+
+        init = (first, h_prev, out.cache, dcache)
+        _, (toks, gh, gp, gi, ga) = jax.lax.scan(step, init, jnp.arange(max_new, dtype=jnp.int32))
+        sw = lambda x: jnp.swapaxes(x, 0, 1)
+        return out.hidden, pp, pi, pa, sw(toks), sw(gh), sw(gp), sw(gi), sw(ga)
+
+    return f
+
+
 def generate_data(target, records, *, max_new_tokens, batch, chat, max_prompt_tokens, topk, parts_dir,
-                  first_ids=(), log=print):
+                  first_ids=(), drafter=None, log=print):
     """Greedy target continuations of the (chat-templated) prompts, each prompt cut to its
     last ``max_prompt_tokens`` tokens (the hidden states are then exact for that cut
     input), with the target's hidden states / top-k / argmax at every position.
@@ -149,6 +199,8 @@ def generate_data(target, records, *, max_new_tokens, batch, chat, max_prompt_to
     Batches are written as they finish (``parts_dir/part_NNNN.npz``, atomically) and a
     restart skips the parts already there; records in ``first_ids`` (e.g. the eval
     questions) go first. Returns nothing: read the parts with :func:`collect_parts`.
+    With ``drafter = (EagleConfig, params)`` the continuations are the drafter's greedy
+    first drafts instead, scored by the target (:func:`_onpolicy_fn`).
     """
     import jax.numpy as jnp
 
@@ -168,7 +220,12 @@ def generate_data(target, records, *, max_new_tokens, batch, chat, max_prompt_to
         if os.path.exists(part):
             continue
         if f is None:
-            f = _gen_fn(target, p, max_new_tokens, topk)
+            if drafter is None:
+                g = _gen_fn(target, p, max_new_tokens, topk)
+                f = lambda params, prompt, lens: g(params, prompt, lens)
+            else:
+                g = _onpolicy_fn(target, drafter[0], p, max_new_tokens, topk)
+                f = lambda params, prompt, lens: g(params, drafter[1], prompt, lens)
         chunk = items[lo: lo + batch]
         rows = chunk + [chunk[-1]] * (batch - len(chunk))
         prompt = np.zeros((batch, p), np.int32)
@@ -187,7 +244,7 @@ def generate_data(target, records, *, max_new_tokens, batch, chat, max_prompt_to
                     cut = i + 1
                     break
             seqs.append({"question_id": r["question_id"], "category": r["category"], "ids": ids + new[:cut],
-                         "prompt_len": n, "turn": 0, "source": "target"})
+                         "prompt_len": n, "turn": 0, "source": "target" if drafter is None else "drafter"})
             hid += [ph[j, :n], gh[j, :cut]]
             tps += [pp[j, :n], gp[j, :cut]]
             tis += [pi[j, :n], gi[j, :cut]]
@@ -562,10 +619,33 @@ def run(args) -> dict:
 
     windows = make_windows([seqs[i] for i in train_idx], s.window)
     windows = [(train_idx[i], st) for i, st in windows]
-    nw = len(windows)
     bs = s.batch_size
+    ds = {"seqs": seqs, "data": data, "windows": windows}
+    onpolicy = s.data in ("drafter", "both") and 0 < s.onpolicy_after < s.steps
+    if s.data in ("drafter", "both") and not onpolicy:
+        raise DistillError(f"--data {s.data} needs 0 < --onpolicy-after < --steps (steps trained on target data "
+                           "before the drafter generates its own)")
+
+    def add_onpolicy():
+        """Drafter-generated, target-scored sequences from the train prompts (params of step
+        ``onpolicy_after``; parts on disk, so a resume regenerates nothing it has)."""
+        od = os.path.join(out, "data_onpolicy")
+        recs = [r for r in records if r["question_id"] in tr_ids]
+        generate_data(target, recs, max_new_tokens=s.max_new_tokens, batch=s.gen_batch, chat=chat,
+                      max_prompt_tokens=s.max_prompt_tokens, topk=s.topk, parts_dir=od,
+                      first_ids=_round_robin(records, tr_ids), drafter=(cfg, {"train": tp, "frozen": frozen}),
+                      log=_log)
+        oseqs, odata = collect_parts(od)
+        n0 = len(data["argmax"])
+        base = [] if s.data == "drafter" else windows
+        allseqs = seqs + [dict(q, offset=q["offset"] + n0, split="train") for q in oseqs]
+        alldata = {k: np.concatenate([data[k], odata[k]]) for k in data}
+        ow = make_windows(oseqs, s.window)
+        ds.update(seqs=allseqs, data=alldata, windows=base + [(len(seqs) + i, st) for i, st in ow])
+        _log(f"on-policy data: {len(oseqs)} drafter sequences; {len(ds['windows'])} training windows now")
 
     def batch_for(step):  # depends only on (seed, step): exact resume
+        nw = len(ds["windows"])
         epoch, pos = divmod(step * bs, nw)
         idx = []
         while len(idx) < bs:
@@ -573,7 +653,10 @@ def run(args) -> dict:
             take = perm[pos: pos + bs - len(idx)]
             idx += take.tolist()
             epoch, pos = epoch + 1, 0
-        return build_batch(seqs, data, [windows[i] for i in idx], sub_pos, s.window, d)
+        return build_batch(ds["seqs"], ds["data"], [ds["windows"][i] for i in idx], sub_pos, s.window, d)
+
+    if onpolicy and start >= s.onpolicy_after:
+        add_onpolicy()
 
     def do_eval(step):
         r = evaluate(ev_fn, tp, frozen, seqs, data, eval_idx, sub_pos, s.window, d, bs)
@@ -600,10 +683,12 @@ def run(args) -> dict:
         done = step + 1
         if s.eval_every and (done % s.eval_every == 0 or done == s.steps):
             alpha = do_eval(done)["alpha"]
-        if done % s.checkpoint_every == 0 or done == s.steps:
+        if done % s.checkpoint_every == 0 or done == s.steps or (onpolicy and done == s.onpolicy_after):
             mngr.save(done, args=ocp.args.StandardSave({"params": tp, "opt_state": opt_state,
                                                         "step": np.asarray(done, np.int64)}))
             mngr.wait_until_finished()
+        if onpolicy and done == s.onpolicy_after:
+            add_onpolicy()
         bar.set_postfix(loss=f"{float(loss):.3f}", acc=f"{float(acc):.2f}", alpha=f"{alpha:.3f}")
     bar.close()
     mngr.wait_until_finished()
