@@ -255,6 +255,22 @@ def _run(prog: Program, tparams, dparams, st: DecodeState, round_limit) -> Decod
     )
 
 
+def _start_program(prog: Program) -> Program:
+    """The program :func:`_start` is compiled for: γ only shapes the zero ``target_hidden``
+    and ``accept_hist`` (see :func:`_size_for_gamma`), so it is normalized to 1."""
+    return dataclasses.replace(prog, gamma=1) if prog.drafter is not None and prog.gamma != 1 else prog
+
+
+def _size_for_gamma(st: DecodeState, prog: Program) -> DecodeState:
+    """Give a state from the γ-normalized prefill the zero ``[B, γ+1, ·]`` arrays of ``prog``."""
+    b = st.lengths.shape[0]
+    # distinct buffers (the run program donates the state; Stats.zeros shares one array)
+    stats = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), Stats.zeros(b, prog.gamma))
+    return dataclasses.replace(
+        st, target_hidden=jnp.zeros((b, prog.gamma + 1, prog.cfg.hidden_size), jnp.float32), stats=stats
+    )
+
+
 _start_jit = jax.jit(_start, static_argnums=0)
 _run_jit = jax.jit(_run, static_argnums=0, donate_argnums=3)
 
@@ -285,6 +301,14 @@ class GenerationResult:
         """All rows' new tokens ÷ decode seconds."""
         n = sum(len(t) for t in self.tokens)
         return n / self.decode_s if self.decode_s > 0 else float("nan")
+
+
+def kv_cache_dtype(weight_format: str) -> str:
+    """KV-cache dtype for a weight format: bfloat16 caches for bfloat16 weights on GPU/TPU;
+    float32 otherwise (XLA CPU has no fast batched bf16 attention dot)."""
+    if weight_format == "bfloat16" and jax.default_backend() != "cpu":
+        return "bfloat16"
+    return "float32"
 
 
 def _bucket(n: int, size: int) -> int:
@@ -390,7 +414,7 @@ class Decoder:
         eos = list(cfg.eos_token_ids if eos_ids is None else eos_ids)
         eos_arr = np.full((b, max(1, len(eos))), -1, np.int32)
         eos_arr[:, : len(eos)] = eos
-        cache_dtype = self.target.dtype if self.target.dtype in ("float32", "bfloat16") else "float32"
+        cache_dtype = kv_cache_dtype(self.target.dtype)
         prog = Program(cfg, self.target.graphdef, self.drafter, self.gamma, buf, cache_dtype)
         dparams = None if self.drafter is None else self.drafter.params
         args = (self.target.params, dparams, jnp.asarray(prompt), jnp.asarray(plens), jnp.asarray(mn),
@@ -402,11 +426,19 @@ class Decoder:
         return prog, args
 
     def start(self, prompts, **kw):
-        """Prefill: returns ``(state, compile_s, prefill_s)``."""
+        """Prefill: returns ``(state, compile_s, prefill_s)``.
+
+        The prefill does not depend on γ: off a mesh it is compiled once per (drafter, shape
+        bucket) for every γ (:func:`_start_program`), and the γ-shaped parts of the state
+        are sized afterwards (:func:`_size_for_gamma`)."""
         prog, args = self.prepare(prompts, **kw)
-        fn, c = self._get("start", prog, args)
+        sprog = prog if self.mesh is not None else _start_program(prog)
+        fn, c = self._get("start", sprog, args)
         t0 = time.perf_counter()
-        st = jax.block_until_ready(fn(*args))
+        st = fn(*args)
+        if sprog is not prog:
+            st = _size_for_gamma(st, prog)
+        st = jax.block_until_ready(st)
         return prog, st, c, time.perf_counter() - t0
 
     def run(self, prog, st, round_limit):

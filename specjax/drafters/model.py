@@ -87,14 +87,23 @@ class ModelDrafter:
 
     @classmethod
     def from_model(cls, model, name: str | None = None) -> "ModelDrafter":
+        from specjax.decode import kv_cache_dtype
+
         return cls(model.config, model.graphdef, model.params, name or model.name or "draft",
-                   cache_dtype=jnp.dtype(model.dtype) if model.dtype != "int8" else jnp.float32)
+                   cache_dtype=jnp.dtype(kv_cache_dtype(model.dtype)))
+
+    def _ids(self, tokens):
+        """Committed ids the drafter's vocabulary lacks (a drafter vocab smaller than the
+        target's) are fed as id 0: an embedding lookup out of range gives NaN, which would
+        poison the drafter's KV cache (q = NaN ever after). The proposal is then only less
+        likely to be accepted; the output is the target's either way."""
+        return jnp.where(tokens < self.config.vocab_size, tokens, 0)
 
     def init_state(self, params, context: DraftContext, max_len: int):
         b, s = context.tokens.shape
         cache = llama.KVCache.create(self.config, b, max_len, self.cache_dtype)
         pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-        _, cache = llama.forward(self.graphdef, params, context.tokens, pos, cache, self.config)
+        _, cache = llama.forward(self.graphdef, params, self._ids(context.tokens), pos, cache, self.config)
         return cache
 
     def propose(self, params, state, context: DraftContext, keys, gamma: int, vocab_size: int) -> Proposal:
@@ -102,7 +111,7 @@ class ModelDrafter:
         lengths = context.lengths
         start = jnp.maximum(lengths - 2, 0)
         pos2 = start[:, None] + jnp.arange(2, dtype=jnp.int32)
-        toks2 = jnp.take_along_axis(context.tokens, pos2, axis=1)
+        toks2 = self._ids(jnp.take_along_axis(context.tokens, pos2, axis=1))
         out = llama.apply(self.graphdef, params, toks2, pos2, state, cfg)
         last = (lengths - 1 - start)[:, None, None]
         logits = jnp.take_along_axis(out.logits, last, axis=1)[:, 0]

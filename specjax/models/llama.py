@@ -321,7 +321,12 @@ def lm_head(graphdef, params, hidden: Float[Array, "... hidden"], cfg: ModelConf
 
 def embed_tokens(model, tokens):
     """Embedding rows of ``tokens [B, T]`` → float32 ``[B, T, D]`` (dequantized in int8)."""
-    e = jnp.take(model.embed[...], tokens, axis=0).astype(jnp.float32)
+    e = jnp.take(model.embed[...], tokens, axis=0)
+    if e.dtype != jnp.float32:
+        # Without the barrier XLA hoists the convert above the gather and converts the
+        # whole [V, D] table to float32 on every call.
+        e = jax.lax.optimization_barrier(e)
+    e = e.astype(jnp.float32)
     scale = _p(model, "embed_scale")
     if scale is not None:
         e = e * jnp.take(scale, tokens, axis=0)[..., None]
