@@ -34,9 +34,11 @@ outputs can differ from one device only where float32 reductions split across
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import re
 import sys
+import weakref
 from typing import Any
 
 import jax
@@ -71,6 +73,14 @@ PARAM_LOGICAL_AXES: dict[str, tuple] = {
     "w_gate": (None, "mlp"),
     "w_up": (None, "mlp"),
     "w_down": ("mlp", None),
+    # int8 weights: the per-output-channel scale follows the output dimension
+    "wq_scale": ("heads",),
+    "wk_scale": ("kv_heads",),
+    "wv_scale": ("kv_heads",),
+    "w_gate_scale": ("mlp",),
+    "w_up_scale": ("mlp",),
+    "embed_scale": ("vocab",),
+    "lm_head_scale": ("vocab",),
 }
 
 CACHE_LOGICAL_AXES = ("batch", "kv_heads", None, None)  # [B, KV, S, hd]
@@ -307,7 +317,8 @@ def put(x, sharding: NamedSharding, dtype=None) -> jax.Array:
 class Placer:
     """A ``place(path, array)`` callback for :func:`specjax.loading.load_model` that puts each
     tensor straight into its sharding. Bound to a config by the loader (``for_config``),
-    since head-sharding depends on head counts, not only on shapes."""
+    since head-sharding depends on head counts, not only on shapes. The loader has already
+    converted the tensor to its weight format; the placer only places it."""
 
     def __init__(self, mesh: Mesh, cfg=None, dtype=None):
         self.mesh, self.cfg, self.dtype = mesh, cfg, dtype
@@ -319,7 +330,7 @@ class Placer:
         if self.cfg is None:
             raise ValueError("Placer used before for_config(cfg, dtype); pass it as load_model(place=...)")
         spec = param_spec(tuple(path), tuple(arr.shape), self.cfg, self.mesh)
-        return put(arr, NamedSharding(self.mesh, spec), self.dtype)
+        return put(arr, NamedSharding(self.mesh, spec))
 
 
 def param_placer(mesh: Mesh, cfg=None, dtype=None) -> Placer:
@@ -383,6 +394,7 @@ def shard_drafter(drafter, mesh: Mesh):
         params = _replicate(drafter.params, mesh)
     if dataclasses.is_dataclass(drafter):
         return dataclasses.replace(drafter, params=params)
+    drafter = copy.copy(drafter)  # never change the caller's object
     drafter.params = params
     return drafter
 
@@ -396,9 +408,18 @@ def prepare_decoder(target, drafter, mesh):
         if mesh is None:
             return None, target, drafter
     mesh = as_mesh(mesh)
-    if mesh_of(target.params) is not mesh:
-        target = shard_model(target, mesh)
+    if mesh_of(target.params) != mesh:
+        try:  # several Decoders of one target (e.g. bench) share one sharded copy
+            per_mesh = _SHARDED_TARGETS.setdefault(target, {})
+        except TypeError:
+            per_mesh = {}
+        if mesh not in per_mesh:
+            per_mesh[mesh] = shard_model(target, mesh)
+        target = per_mesh[mesh]
     return mesh, target, shard_drafter(drafter, mesh)
+
+
+_SHARDED_TARGETS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _pad_rows(x, pad: int):
