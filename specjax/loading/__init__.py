@@ -279,8 +279,12 @@ def load_model(
 
         reader = gguf_loader.open_gguf(path)
         cfg = gguf_loader.config_from_gguf(reader)
-        graphdef, params = assemble_params(cfg, gguf_loader.iter_gguf_tensors(reader, cfg), dtype, place, path)
         tok = Tokenizer.from_gguf(reader)
+        # The reader keeps ~100k small numpy views for the vocabulary/merges fields
+        # (~150 MB); drop them before the weights are loaded.
+        gguf_loader.drop_fields(reader)
+        graphdef, params = assemble_params(cfg, gguf_loader.iter_gguf_tensors(reader, cfg), dtype, place, path)
+        del reader
         name = os.path.basename(path)
     else:
         if not os.path.exists(path):

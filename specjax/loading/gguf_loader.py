@@ -25,6 +25,14 @@ def field(reader, key, default=_MISSING):
     return f.contents()
 
 
+def drop_fields(reader) -> None:
+    """Free the reader's metadata (config and tokenizer already read); tensors stay readable."""
+    import gc
+
+    reader.fields.clear()
+    gc.collect()
+
+
 def open_gguf(path: str):
     import gguf
 
