@@ -44,7 +44,7 @@ import numpy as np
 RUN_KEYS = ("model", "prompts", "split", "steps", "seed", "batch_size", "lr", "eval_every", "data", "sub_vocab",
             "intermediate", "window", "max_new_tokens", "gen_batch", "topk", "ce_weight", "unroll_weight",
             "warmup", "checkpoint_every", "chat", "weight_decay", "max_prompt_tokens", "onpolicy_after", "gamma",
-            "data_dir")
+            "data_dir", "ce")
 
 
 # --------------------------------------------------------------------------- prompts
@@ -365,7 +365,7 @@ def build_batch(seqs, data, windows, sub_pos, window: int, d: int, eval_mask=Fal
 
 
 # --------------------------------------------------------------------------- model/loss
-def _loss_parts(cfg, params, batch, ce_weight, full_head=False):
+def _loss_parts(cfg, params, batch, ce_weight, full_head=False, full_ce=True, second_pass=True):
     """Per-position loss of the first pass (true features) and of the unrolled second
     pass (own features), and greedy hits. The cross-entropy is over the target's top-k
     candidates inside the sub-vocabulary (a ranking loss that needs only k head rows per
@@ -380,9 +380,9 @@ def _loss_parts(cfg, params, batch, ce_weight, full_head=False):
     pos = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w))
     cache = eagle.new_cache(cfg, b, w)
     f, _ = eagle.forward(cfg, params, batch["feats"], batch["tokens"], pos, cache)
-    # pass 2: the drafter's own features as inputs (what drafts 2..γ see)
-    feats2 = jnp.concatenate([batch["feats"][:, :1], f[:, :-1]], axis=1)
-    f2, _ = eagle.forward(cfg, params, feats2, batch["tokens"], pos, cache)
+    if second_pass:  # pass 2: the drafter's own features as inputs (what drafts 2..γ see)
+        feats2 = jnp.concatenate([batch["feats"][:, :1], f[:, :-1]], axis=1)
+        f2, _ = eagle.forward(cfg, params, feats2, batch["tokens"], pos, cache)
     head = params["frozen"]["head"]
     ti = batch["ti"]
     valid = ti >= 0
@@ -394,10 +394,16 @@ def _loss_parts(cfg, params, batch, ce_weight, full_head=False):
         diff = f - batch["th"]
         ad = jnp.abs(diff)
         sl1 = jnp.mean(jnp.where(ad < 1.0, 0.5 * diff * diff, ad - 0.5), axis=-1)
-        lk = jnp.einsum("bwd,bwkd->bwk", f, hk)
-        lk = jnp.where(valid, lk, -1e30)
-        logq = jax.nn.log_softmax(lk, axis=-1)
-        ce = -jnp.sum(jnp.where(valid, pp * logq, 0.0), axis=-1)
+        if full_ce:  # soft labels (target top-k inside S) against log q over the whole sub-vocabulary
+            full = jax.nn.log_softmax(eagle.sub_logits(params, f), axis=-1)
+            lq = jnp.take_along_axis(full, jnp.maximum(ti, 0), axis=-1)
+            ce = -jnp.sum(jnp.where(valid, pp * lq, 0.0), axis=-1)
+            lk = jnp.where(valid, lq, -1e30)
+        else:  # ranking among the target's top-k candidates only (k head rows per position)
+            lk = jnp.einsum("bwd,bwkd->bwk", f, hk)
+            lk = jnp.where(valid, lk, -1e30)
+            logq = jax.nn.log_softmax(lk, axis=-1)
+            ce = -jnp.sum(jnp.where(valid, pp * logq, 0.0), axis=-1)
         if full_head:
             pred = jnp.argmax(eagle.sub_logits(params, f), axis=-1)
         else:
@@ -406,18 +412,21 @@ def _loss_parts(cfg, params, batch, ce_weight, full_head=False):
         return sl1 + ce_weight * ce, hit
 
     l1, hit1 = terms(f)
+    if not second_pass:
+        return l1, jnp.zeros_like(l1), hit1, jnp.zeros_like(hit1)
     l2, hit2 = terms(f2)
     return l1, l2, hit1, hit2
 
 
-def make_train_step(cfg, opt, ce_weight, unroll_weight):
+def make_train_step(cfg, opt, ce_weight, unroll_weight, full_ce=True):
     import jax
     import jax.numpy as jnp
     import optax
 
     def loss_fn(tp, frozen, batch):
         params = {"train": tp, "frozen": frozen}
-        l1, l2, hit1, _ = _loss_parts(cfg, params, batch, ce_weight)
+        l1, l2, hit1, _ = _loss_parts(cfg, params, batch, ce_weight, full_ce=full_ce,
+                                      second_pass=unroll_weight > 0)
         m = batch["mask"]
         den = jnp.maximum(m.sum(), 1.0)
         loss = (jnp.sum(l1 * m) + unroll_weight * jnp.sum(l2 * m)) / den
@@ -596,7 +605,7 @@ def run(args) -> dict:
     tp = eagle.init_params(cfg, s.seed, target.params["final_norm"][...])
     opt = make_optimizer(s.steps, s.lr, s.warmup, s.weight_decay)
     opt_state = opt.init(tp)
-    step_fn = make_train_step(cfg, opt, s.ce_weight, s.unroll_weight)
+    step_fn = make_train_step(cfg, opt, s.ce_weight, s.unroll_weight, s.ce == "full")
     ev_fn = make_eval_fn(cfg)
 
     # ---- checkpoints
@@ -655,7 +664,11 @@ def run(args) -> dict:
             epoch, pos = epoch + 1, 0
         return build_batch(ds["seqs"], ds["data"], [ds["windows"][i] for i in idx], sub_pos, s.window, d)
 
-    if onpolicy and start >= s.onpolicy_after:
+    if getattr(args, "export_only", False):  # write DIR/drafter from the latest checkpoint, no training
+        if latest is None:
+            raise DistillError(f"{out}: no complete checkpoint to export")
+        s.steps = start
+    elif onpolicy and start >= s.onpolicy_after:
         add_onpolicy()
 
     def do_eval(step):
@@ -669,7 +682,7 @@ def run(args) -> dict:
 
     from tqdm import tqdm
 
-    if start == 0 and s.eval_every:
+    if start == 0 and s.eval_every and s.steps > 0:
         r0 = do_eval(0)
         _log(f"step 0: α = {r0['alpha']:.3f} (second draft {r0['alpha2']:.3f})")
     alpha = history[-1]["alpha"] if history else float("nan")
@@ -736,13 +749,32 @@ def bench(args) -> dict:
                 keep.append(r)
                 seen[r["category"]] += 1
         recs = keep
+    if args.bench_limit:
+        recs = recs[: args.bench_limit]
     prompts = [_encode(target, r, True) for r in recs]
     gammas = [int(g) for g in args.bench_gammas.split(",")]
+    import specjax.decode as sd
+
+    saved_bucket = sd.PROMPT_BUCKET
+    sd.PROMPT_BUCKET = 512  # few prompt-shape buckets: each new bucket compiles every decoder again
+    try:
+        return _bench_run(args, out, target, recs, prompts, gammas)
+    finally:
+        sd.PROMPT_BUCKET = saved_bucket
+
+
+def _bench_run(args, out, target, recs, prompts, gammas):
+    from specjax.api import load_drafter
+    from specjax.decode import Decoder
+    from specjax.drafters import eagle
+    from specjax.drafters.model import ModelDrafter
+    from specjax.loading import truncate_model
+
     dr = (load_drafter("default", target) if args.bench == "default"
           else eagle.load_drafter(args.bench, target))
     kinds = [("ar", Decoder(target))]
     kinds += [(f"distilled γ={g}", Decoder(target, dr, g)) for g in gammas]
-    kinds += [(f"ngram γ={g}", Decoder(target, load_drafter("ngram", target), g)) for g in (2, 4)]
+    kinds += [("ngram γ=4", Decoder(target, load_drafter("ngram", target), 4))]
     kinds += [("first2 γ=2", Decoder(target, ModelDrafter.from_model(truncate_model(target, 2), name="first2"), 2))]
     res = {k: {"new_tokens": 0, "decode_s": 0.0, "target_calls": 0, "accepted": 0, "checked": 0,
                "by_category": defaultdict(lambda: [0, 0, 0, 0])} for k, _ in kinds}
@@ -813,14 +845,19 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=96, help="keep the last N prompt tokens")
     p.add_argument("--gen-batch", type=int, default=16)
     p.add_argument("--topk", type=int, default=16, help="target probabilities stored per position")
-    p.add_argument("--ce-weight", type=float, default=0.5)
+    p.add_argument("--ce-weight", type=float, default=1.0)
+    p.add_argument("--ce", default="full", choices=["full", "topk"],
+                   help="cross-entropy over the whole sub-vocabulary, or only among the target's top-k")
     p.add_argument("--unroll-weight", type=float, default=0.5)
     p.add_argument("--no-chat", dest="chat", action="store_false", help="prompts without the chat template")
+    p.add_argument("--export-only", action="store_true",
+                   help="with --resume: write DIR/drafter from the latest checkpoint (a run stopped early)")
     p.add_argument("--bench", default=None, metavar="DRAFTER_DIR",
                    help="instead of training: benchmark a distilled drafter ('default' = the shipped one) on the "
                         "--split eval prompts vs autoregressive, ngram and the truncated target; results in --out")
     p.add_argument("--bench-gammas", default="2,3,4,5")
     p.add_argument("--bench-per-category", type=int, default=0, help="limit eval prompts per category (0 = all)")
+    p.add_argument("--bench-limit", type=int, default=0, help="at most N eval prompts (0 = all)")
 
 
 def cmd_distill(args) -> int:
