@@ -1,0 +1,348 @@
+"""``specjax analyze``: the theory of speculative decoding as a tool.
+
+Two modes:
+
+* numbers only — ``specjax analyze --alpha 0.8 --c 0.02 [--v V ...] [--gamma-max G]``:
+  the theory table (E(N), cost, speedup with v and textbook, Leviathan et al. 2023,
+  Eq. 1 / Theorem 3.8), the optimal γ and the oracle bound 1/(1−α).
+* models — ``specjax analyze --model M --draft D --prompts FILE``: measured α (overall
+  and per category), c(γ) and v(γ) for γ = 1..G, the table with both cost models, the
+  recommended γ, and the real speculative run at that γ: measured vs predicted speedup
+  and E(N) next to the measured mean accepted tokens (see :mod:`specjax.measure`).
+
+Markdown tables for people; ``--json`` for machines; ``--plot out.png`` draws predicted
+speedup against γ with the measured points.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from typing import Any, Sequence
+
+import numpy as np
+
+from specjax import analysis
+
+NUMBERS_GAMMA_MAX = 16
+MODEL_GAMMA_MAX = 8
+
+
+def _usage(msg: str) -> Exception:
+    from specjax.cli import UsageError
+
+    return UsageError(msg)
+
+
+def register_cli(subparsers) -> None:
+    from specjax.cli import add_model_args
+
+    p = subparsers.add_parser(
+        "analyze",
+        help="theory table from numbers, or measured alpha/c/v(γ) and predicted vs measured speedup",
+        description=(
+            "Numbers only: specjax analyze --alpha A --c C [--v V ...]. "
+            "Models: specjax analyze --model M --draft D --prompts FILE [--limit N] [--categories a,b]."
+        ),
+    )
+    p.add_argument("--alpha", type=float, default=None, help="acceptance rate α in [0, 1] (numbers-only mode)")
+    p.add_argument("--c", type=float, default=None, help="draft/target cost ratio c >= 0 (with --alpha)")
+    p.add_argument("--v", type=float, nargs="+", default=None,
+                   help="target cost of γ+1 tokens over 1 token: one value for every γ, or v(1) v(2) … (with --alpha)")
+    p.add_argument("--gamma-max", type=int, default=None,
+                   help=f"largest γ in the table (default {NUMBERS_GAMMA_MAX} numbers-only, {MODEL_GAMMA_MAX} with models)")
+    p.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+    p.add_argument("--prompts", metavar="FILE", help="JSONL: 'prompt' or Spec-Bench 'turns' (+ 'category') per line")
+    p.add_argument("--categories", default=None, help="comma-separated categories to keep (e.g. summarization,qa)")
+    p.add_argument("--limit", type=int, default=None, help="at most N prompts per category (file order)")
+    p.add_argument("--repeats", type=int, default=1, help="timed decode runs per batch for the measured speedup (median)")
+    p.add_argument("--timing-repeats", type=int, default=7, help="timed calls per kind for c and v (median)")
+    add_model_args(p)
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    p.add_argument("--plot", metavar="PNG", default=None, help="write predicted speedup vs γ (with measured points)")
+    p.set_defaults(func=cmd_analyze)
+
+
+# --------------------------------------------------------------------------- numbers only
+def _check_numbers(args) -> tuple[float, float, Any, int]:
+    if args.alpha is None and args.c is None and args.v is None:
+        raise _usage("internal: not numbers-only")
+    if args.alpha is None:
+        raise _usage("--c/--v need --alpha (numbers-only mode: --alpha A --c C [--v V ...])")
+    if args.c is None:
+        raise _usage("--alpha needs --c (the draft/target cost ratio, e.g. --c 0.05)")
+    if not (math.isfinite(args.alpha) and 0.0 <= args.alpha <= 1.0):
+        raise _usage(f"--alpha must be in [0, 1], got {args.alpha}")
+    if not (math.isfinite(args.c) and args.c >= 0.0):
+        raise _usage(f"--c must be finite and >= 0, got {args.c}")
+    v = args.v
+    if v is not None:
+        bad = [x for x in v if not (math.isfinite(x) and x > 0)]
+        if bad:
+            raise _usage(f"--v values must be finite and > 0, got {bad[0]}")
+    gmax = args.gamma_max
+    if v is not None and len(v) > 1:
+        if gmax is not None and gmax > len(v):
+            raise _usage(f"--gamma-max {gmax} needs {gmax} --v values (v(1)..v({gmax})), got {len(v)}")
+        gmax = gmax or len(v)
+    gmax = NUMBERS_GAMMA_MAX if gmax is None else gmax
+    if gmax < 1:
+        raise _usage(f"--gamma-max must be >= 1, got {gmax}")
+    if v is not None:
+        v = float(v[0]) if len(v) == 1 else [float(x) for x in v[:gmax]]
+    return float(args.alpha), float(args.c), v, int(gmax)
+
+
+def numbers_report(alpha: float, c: float, v: Any = None, gamma_max: int = NUMBERS_GAMMA_MAX) -> dict:
+    """The theory for given α, c (and v): table rows for γ = 1..gamma_max, optimal γ, oracle bound.
+
+    ``v``: ``None`` (textbook), one float for every γ, or a list ``v(1)..v(G)``. With a
+    list only γ ≤ len(v) is searched; otherwise the optimum is searched over
+    ``1..max(gamma_max, 64)`` so a short table does not hide it.
+    """
+    gammas = list(range(1, gamma_max + 1))
+    vv = np.asarray(v, float) if isinstance(v, list) else v
+    rows = analysis.theory_table(alpha, c, gammas, vv)
+    search = gamma_max if isinstance(v, list) else max(gamma_max, 64)
+    g_opt, s_opt = analysis.optimal_gamma(alpha, c, vv, max_gamma=search)
+    g_tb, s_tb = analysis.optimal_gamma(alpha, c, None, max_gamma=search if not isinstance(v, list) else max(gamma_max, 64))
+    return {
+        "mode": "numbers",
+        "alpha": alpha,
+        "c": c,
+        "v": v,
+        "gamma_max": gamma_max,
+        "table": rows,
+        "optimal_gamma": int(g_opt),
+        "optimal_speedup": float(s_opt),
+        "optimal_gamma_textbook": int(g_tb),
+        "optimal_speedup_textbook": float(s_tb),
+        "oracle_bound": float(analysis.oracle_bound(alpha)),
+    }
+
+
+def _fmt(x, d=3):
+    if x is None:
+        return "–"
+    if isinstance(x, float):
+        return "nan" if math.isnan(x) else f"{x:.{d}f}"
+    return str(x)
+
+
+def render_numbers(rep: dict) -> str:
+    v = rep["v"]
+    vdesc = "1 (textbook)" if v is None else (f"{v:g}" if isinstance(v, float) else "measured list")
+    lines = [
+        f"## Speculative decoding theory: α = {rep['alpha']:g}, c = {rep['c']:g}, v = {vdesc}",
+        "",
+        analysis.format_table(rep["table"]),
+        "",
+        f"optimal γ = {rep['optimal_gamma']} (speedup {rep['optimal_speedup']:.3f}×); "
+        f"textbook (v = 1): γ = {rep['optimal_gamma_textbook']} ({rep['optimal_speedup_textbook']:.3f}×); "
+        f"oracle bound 1/(1−α) = {_fmt(rep['oracle_bound'])}",
+    ]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- models
+def select_prompts(prompts: list[dict], categories: str | None, limit: int | None) -> list[dict]:
+    """Keep ``categories`` (comma list) and at most ``limit`` prompts per category, file order."""
+    if limit is not None and limit < 1:
+        raise _usage(f"--limit must be >= 1, got {limit}")
+    if categories:
+        want = [c.strip() for c in categories.split(",") if c.strip()]
+        have = sorted({p["category"] for p in prompts})
+        unknown = [c for c in want if c not in have]
+        if unknown:
+            raise _usage(f"--categories: unknown {unknown}; the prompts have {have}")
+        prompts = [p for p in prompts if p["category"] in want]
+    if limit is not None:
+        seen: dict[str, int] = {}
+        kept = []
+        for p in prompts:
+            n = seen.get(p["category"], 0)
+            if n < limit:
+                kept.append(p)
+                seen[p["category"]] = n + 1
+        prompts = kept
+    if not prompts:
+        raise _usage("no prompts left after --categories/--limit")
+    return prompts
+
+
+def render_models(rep: dict) -> str:
+    st = rep["settings"]
+    al = rep["alpha"]
+    sampling = "greedy" if st["temperature"] == 0 else f"T={st['temperature']:g}, top-k {st['top_k']}, top-p {st['top_p']:g}"
+    out = [
+        f"## specjax analyze: target {rep['target']} + drafter {rep['drafter']}",
+        "",
+        f"{st['prompts']} prompts (median {st['median_prompt_tokens']} tokens), ≤ {st['max_new_tokens']} new tokens, "
+        f"{sampling}, batch {st['batch_size']}{', chat template' if st['chat'] else ''}",
+        "",
+        "### Acceptance rate α = E[Σ min(p, q)] along the target's own output",
+        "",
+    ]
+    cat_rows = [{"category": c, "prompts": v["prompts"], "positions": v["positions"], "alpha": v["alpha"]}
+                for c, v in sorted(al["by_category"].items())]
+    cat_rows.append({"category": "**all**", "prompts": st["prompts"], "positions": al["positions"], "alpha": al["alpha"]})
+    out.append(analysis.format_table(cat_rows))
+    if al["coverage"] < 1.0:
+        out.append(f"\nα counts positions with a proposal only: {al['coverage']:.1%} of positions had one.")
+    co = rep["costs"]
+    t1 = co["t_target_ms"][1] if 1 in co["t_target_ms"] else co["t_target_ms"]["1"]
+    out += ["", f"### Costs (batch {co['batch']}): t_target(1 token) = {t1:.2f} ms, "
+            f"c = {rep['c']:.4f} at the recommended γ = {rep['recommended_gamma']}", ""]
+    crow = []
+    for i, g in enumerate(range(1, len(rep["v"]) + 1)):
+        tt = co["t_target_ms"].get(g + 1, co["t_target_ms"].get(str(g + 1)))
+        td = co["t_draft_ms"].get(g, co["t_draft_ms"].get(str(g)))
+        crow.append({"gamma": g, "t_draft_ms": td if td is not None else "interp.", "c": rep["c_by_gamma"][i],
+                     "t_target_ms": tt if tt is not None else "interp.", "v": rep["v"][i]})
+    out.append(analysis.format_table(crow))
+    out += ["", f"### Predicted (α = {al['alpha']:.4f}, measured c(γ) and v(γ); textbook: v = 1)", "",
+            analysis.format_table(rep["table"]), "",
+            f"recommended γ = {rep['recommended_gamma']} (predicted speedup {rep['predicted_speedup']:.3f}×"
+            f"{'' if rep['speculation_pays'] else ': speculation does not pay with this drafter'}); "
+            f"textbook optimum γ = {rep['optimal_gamma_textbook']}; oracle bound 1/(1−α) = {rep['oracle_bound']:.3f}"]
+    for m in rep["measured"]:
+        out += ["", f"### Measured at γ = {m['gamma']} (real decode loop, interleaved with autoregressive)", ""]
+        rows = [
+            {"quantity": "tokens per target call", "predicted": m["expected_tokens"],
+             "measured": m["mean_accepted_tokens"], "difference": m["tokens_discrepancy"],
+             "note": "E(N) from α vs mean_accepted_tokens (acceptances are not independent)"},
+            {"quantity": "acceptance rate", "predicted": m["alpha"], "measured": m["acceptance_rate"],
+             "difference": m["acceptance_rate"] - m["alpha"], "note": "α (Σmin) vs accepted ÷ checked drafts"},
+            {"quantity": "speedup (×)", "predicted": m["predicted_speedup"], "measured": m["measured_speedup"],
+             "difference": m["predicted_speedup"] - m["measured_speedup"],
+             "note": f"relative error {m['speedup_relative_error']:+.1%}"},
+            {"quantity": "speedup, textbook v = 1", "predicted": m["predicted_speedup_textbook"],
+             "measured": m["measured_speedup"], "difference": m["predicted_speedup_textbook"] - m["measured_speedup"],
+             "note": ""},
+            {"quantity": "speedup from measured tokens/call", "predicted": m["predicted_speedup_from_measured_tokens"],
+             "measured": m["measured_speedup"],
+             "difference": m["predicted_speedup_from_measured_tokens"] - m["measured_speedup"],
+             "note": "mean_accepted_tokens ÷ (γc + v): the cost model alone"},
+        ]
+        if "predicted_speedup_coverage_adjusted" in m:
+            rows.append({"quantity": "speedup, coverage-adjusted", "predicted": m["predicted_speedup_coverage_adjusted"],
+                         "measured": m["measured_speedup"],
+                         "difference": m["predicted_speedup_coverage_adjusted"] - m["measured_speedup"],
+                         "note": f"plain steps where nothing is proposed ({m['coverage']:.0%} proposed)"})
+        out.append(analysis.format_table(rows))
+        out.append(f"\ntokens/s: speculative {m['tokens_per_s_spec']:.2f}, autoregressive {m['tokens_per_s_ar']:.2f}"
+                   + ("" if m.get("ar_tokens_match") is None else
+                      f"; greedy outputs identical: {m['ar_tokens_match']}"))
+        out += ["", analysis.format_table([
+            {"category": c, "alpha": v["alpha"], "E(N)": v["expected_tokens"],
+             "mean_accepted_tokens": v["mean_accepted_tokens"]} for c, v in sorted(m["by_category"].items())])]
+    return "\n".join(out)
+
+
+def _plot(rep: dict, path: str) -> str:
+    if rep.get("mode") == "numbers":
+        a, c = rep["alpha"], rep["c"]
+        alphas = sorted({round(x, 3) for x in (0.5, 0.7, 0.9, a)})
+        cs = sorted({round(x, 4) for x in (0.02, 0.1, c)})
+        v = rep["v"]
+        if isinstance(v, list):
+            gm = len(v)
+            v = np.asarray(v, float)
+        else:
+            gm = rep["gamma_max"]
+        measured = [{"gamma": rep["optimal_gamma"], "speedup": rep["optimal_speedup"], "c": c, "label": "optimum"}]
+        return analysis.plot_speedup(path, alphas, cs, gm, v, measured)
+    a, c = rep["alpha"]["alpha"], rep["c"]
+    a = a if math.isfinite(a) else 0.0
+    alphas = sorted({round(x, 3) for x in (0.2, 0.5, 0.8, a)})
+    cs = sorted({round(x, 4) for x in (0.02, 0.1, c)})
+    measured = [{"gamma": m["gamma"], "speedup": m["measured_speedup"], "c": round(c, 4), "label": "measured"}
+                for m in rep["measured"]]
+    measured += [{"gamma": rep["recommended_gamma"], "speedup": rep["predicted_speedup"], "c": round(c, 4),
+                  "label": "predicted (recommended γ)"}]
+    return analysis.plot_speedup(path, alphas, cs, len(rep["v"]), np.asarray(rep["v"], float), measured)
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (np.floating, float)):
+        return None if not math.isfinite(float(x)) else float(x)
+    if isinstance(x, np.integer):
+        return int(x)
+    if isinstance(x, np.bool_):
+        return bool(x)
+    return x
+
+
+def cmd_analyze(args) -> int:
+    numbers = args.alpha is not None or args.c is not None or args.v is not None
+    if numbers:
+        model_flags = [f for f in ("model", "draft", "prompts", "prompt", "config") if getattr(args, f, None)]
+        if model_flags:
+            raise _usage(f"--alpha/--c/--v (numbers only) cannot be combined with --{model_flags[0]}")
+        rep = numbers_report(*_check_numbers(args))
+        text = render_numbers(rep)
+    else:
+        rep = run_models(args)
+        text = render_models(rep)
+    if args.plot:
+        rep["plot"] = _plot(rep, args.plot)
+    if args.json:
+        print(json.dumps(_jsonable(rep)))
+    else:
+        print(text)
+        if args.plot:
+            print(f"\nplot: {rep['plot']}")
+    return 0
+
+
+def run_models(args) -> dict:
+    from specjax.cli import collect_prompts, load_target_and_drafter, resolve
+    from specjax import measure
+
+    s = resolve(args)
+    if not s["draft"] or s["draft"] == "none":
+        raise _usage("analyze with models needs one drafter: --draft ngram[:N] | PATH_OR_ID "
+                     "(or give numbers only: --alpha A --c C)")
+    gmax = MODEL_GAMMA_MAX if args.gamma_max is None else args.gamma_max
+    if gmax < 1:
+        raise _usage(f"--gamma-max must be >= 1, got {gmax}")
+    if args.repeats < 1 or args.timing_repeats < 1:
+        raise _usage("--repeats and --timing-repeats must be >= 1")
+    gamma = None
+    if s["gamma"] not in (None, "auto"):
+        from specjax.cli import parse_gamma
+
+        gamma = parse_gamma(s["gamma"])
+    prompts = select_prompts(collect_prompts(args), args.categories, args.limit)
+    target, drafter = load_target_and_drafter(s)
+    log = (lambda m: print(f"specjax analyze: {m}", file=sys.stderr, flush=True))
+    rep = measure.analyze_pair(
+        target, drafter, prompts, gamma_max=gmax, gamma=gamma, chat=s["chat"],
+        max_new_tokens=s["max_new_tokens"], temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"],
+        seed=args.seed, batch_size=args.batch_size, ignore_eos=args.ignore_eos, repeats=args.repeats,
+        timing_repeats=args.timing_repeats, log=log,
+    )
+    rep["mode"] = "models"
+    rep["command_settings"] = {"model": s["model"] or "default", "draft": s["draft"],
+                               "categories": args.categories, "limit": args.limit}
+    return rep
+
+
+def recommend_gamma(target, drafter, prompt_texts: Sequence[str], chat: bool = False, gamma_max: int = 8) -> int:
+    """γ with the largest predicted speedup for this pair, measured quickly (used by
+    ``specjax generate --gamma auto``): α by teacher forcing over ≤ 2 prompts × 16 greedy
+    tokens, c and v timed at γ ∈ {1, 2, 4, 8, γ_max} (3 timings each, linear in between).
+    Returns an int in [1, gamma_max]; 1 when no γ is predicted to pay."""
+    from specjax import measure
+
+    if drafter is None:
+        raise ValueError("recommend_gamma needs a drafter")
+    if int(gamma_max) < 1:
+        raise ValueError(f"gamma_max must be >= 1, got {gamma_max}")
+    g, _ = measure.recommend(target, drafter, list(prompt_texts), gamma_max=int(gamma_max), chat=chat)
+    return g
