@@ -289,21 +289,29 @@ def test_rollback_is_a_smaller_length(tiny, step):
 
 # --------------------------------------------------------------------------- 3. decoding determinism
 
-ROUNDS = 16  # tokens compared per row (the program is compiled for 64 new tokens; see below)
-MAX_NEW = 64  # same shapes as the greedy parity test in test_loading.py: one compiled program
+ROUNDS = 16  # tokens compared per row, from a program built for MAX_NEW new tokens
+# Real-model programs are shared across test files through the persistent compilation
+# cache: prompts ≤ 32 tokens and MAX_NEW = 64 give a 128-slot buffer, the same shapes as the
+# greedy parity test in test_loading.py (batch 4) and the CLI test (batch 1).
+MAX_NEW = 64
+SYSTEM = "You are a concise assistant."
 PROMPTS = [
-    "Hello there!",
+    "Hi!",
+    "Name a fruit.",
+    "Translate good morning into Spanish.",
     "Write a short poem about the sea.",
-    "Tell me a story about a dragon who wants to learn to play the violin.",
-    "Describe, in a few imaginative sentences, a city floating in the clouds, its people and their customs.",
 ]
+
+
+def chat_ids(tok, text):
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}]
+    return tok.encode(tok.apply_chat_template(msgs), add_special_tokens=False)
 
 
 @pytest.fixture(scope="module")
 def real(default_model):
     tok = default_model.tokenizer
-    ids = [tok.encode(tok.apply_chat_template(p), add_special_tokens=False) for p in PROMPTS]
-    return default_model, Decoder(default_model), ids
+    return default_model, Decoder(default_model), [chat_ids(tok, p) for p in PROMPTS]
 
 
 def _rounds(dec, prompts, rounds=ROUNDS, **kw):
@@ -331,7 +339,7 @@ def _near_tie_or_fail(model, prompt, a, b, what):
 def test_row_of_batch_equals_prompt_alone_and_seeds(real):
     model, dec, ids = real
     lens = [len(p) for p in ids]
-    assert len(set(lens)) == 4 and max(lens) <= 64  # different lengths, one bucket
+    assert len(set(lens)) == 4 and max(lens) <= 32  # different lengths, one bucket
     b = len(ids)
     keys = request_keys(0, b)
     greedy = _rounds(dec, ids, keys=keys)
