@@ -147,28 +147,11 @@ def render_numbers(rep: dict) -> str:
 
 # --------------------------------------------------------------------------- models
 def select_prompts(prompts: list[dict], categories: str | None, limit: int | None) -> list[dict]:
-    """Keep ``categories`` (comma list) and at most ``limit`` prompts per category, file order."""
-    if limit is not None and limit < 1:
-        raise _usage(f"--limit must be >= 1, got {limit}")
-    if categories:
-        want = [c.strip() for c in categories.split(",") if c.strip()]
-        have = sorted({p["category"] for p in prompts})
-        unknown = [c for c in want if c not in have]
-        if unknown:
-            raise _usage(f"--categories: unknown {unknown}; the prompts have {have}")
-        prompts = [p for p in prompts if p["category"] in want]
-    if limit is not None:
-        seen: dict[str, int] = {}
-        kept = []
-        for p in prompts:
-            n = seen.get(p["category"], 0)
-            if n < limit:
-                kept.append(p)
-                seen[p["category"]] = n + 1
-        prompts = kept
-    if not prompts:
-        raise _usage("no prompts left after --categories/--limit")
-    return prompts
+    """Keep ``categories`` (comma list) and at most ``limit`` prompts per category, file order
+    (the same selection as ``specjax bench``)."""
+    from specjax.bench import select_prompts as bench_select
+
+    return bench_select(prompts, categories, limit)
 
 
 def render_models(rep: dict) -> str:
