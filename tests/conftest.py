@@ -56,3 +56,15 @@ def tiny_model(seed=0, scale=None, **kw):
         params = jax.tree_util.tree_map(lambda x: x, params)
         params["embed"].value = params["embed"].value * scale
     return Model(cfg, graphdef, params, None, name=f"tiny{seed}")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+    """Drop JAX's in-memory compiled programs after each test module: the real model's
+    programs in three formats otherwise pile up to several GB in one pytest process.
+    (The persistent on-disk cache keeps later compiles cheap.)"""
+    yield
+    import gc
+
+    gc.collect()
+    jax.clear_caches()

@@ -189,12 +189,6 @@ def test_real_accuracy_against_float32(default_model, formats_models, real_promp
     assert 0 < rep["int8"]["top1_agreement"] <= 1
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "known gap (issue 9): rounding activations to bf16 / int8 amplifies the float32 differences "
-    "between the 1-token and the (γ+1)-token attention/matmul kernels, so a divergence can land "
-    "at a top-2 margin above 0.05 (seen: 0.064 in bf16; 0.71 in int8, whose per-row activation "
-    "scale steps are coarse). Fix: run both paths with the same padded "
-    "row and query shapes."))
 @pytest.mark.parametrize("fmt", ["bfloat16", "int8"])
 def test_real_greedy_speculative_equals_autoregressive_in_format(fmt, formats_models, real_prompts):
     """Within a format, greedy speculative == greedy autoregressive on 10 real prompts, except

@@ -64,7 +64,7 @@ TRICKY = [
 ]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def hf_gguf():
     """transformers' own loading of the shipped GGUF (dequantized to float32) + tokenizer."""
     torch = pytest.importorskip("torch")

@@ -240,8 +240,24 @@ def _write(cache_arr, new, starts):
     )
 
 
-def _attention(q, k_cache, v_cache, positions, cfg: ModelConfig):
-    """q ``[B, T, H, hd]``; caches ``[B, KV, S, hd]``; query at position t sees slots ≤ t of its row."""
+# Blocks of up to this many queries (verification calls, γ + 1 ≤ 16) attend one query at a
+# time in reduced weight formats; longer blocks (prefill) attend all queries at once.
+PER_QUERY_MAX = 16
+
+
+def _attention(q, k_cache, v_cache, positions, cfg: ModelConfig, per_query: bool = False):
+    """q ``[B, T, H, hd]``; caches ``[B, KV, S, hd]``; query at position t sees slots ≤ t of its row.
+
+    ``per_query``: compute each of the T queries with the shapes of a one-token call. XLA
+    CPU's batched attention dots round differently for different T (≈ 1e-7), and bf16/int8
+    activation rounding amplifies that into different tokens; per query, a token's attention
+    output is bit-identical whether it is verified in a block or decoded alone, which keeps
+    greedy speculative == greedy autoregressive within a reduced format.
+    """
+    if per_query and 1 < q.shape[1] <= PER_QUERY_MAX:
+        return jnp.concatenate(
+            [_attention(q[:, i:i + 1], k_cache, v_cache, positions[:, i:i + 1], cfg) for i in range(q.shape[1])],
+            axis=1)
     b, t, h, hd = q.shape
     kv = cfg.num_kv_heads
     q = q.reshape(b, t, kv, h // kv, hd)
@@ -286,6 +302,7 @@ def forward(
     b, t = tokens.shape
     hd = cfg.head_dim
     starts = positions[:, 0]
+    reduced = model.layers[0].wq[...].dtype != jnp.float32  # bf16 / int8 weights
     new_k, new_v = [], []
     for i, layer in enumerate(model.layers):
 
@@ -302,7 +319,7 @@ def forward(
         vc = _write(cache.v[i], v.transpose(0, 2, 1, 3), starts)
         new_k.append(kc)
         new_v.append(vc)
-        a = _attention(q.astype(kc.dtype), kc, vc, positions, cfg)
+        a = _attention(q.astype(kc.dtype), kc, vc, positions, cfg, per_query=reduced)
         h = h + lin(a, "wo", "bo")
         x = rms_norm(h, layer.mlp_norm[...], cfg.rms_norm_eps)
         h = h + lin(jax.nn.silu(lin(x, "w_gate")) * lin(x, "w_up"), "w_down")
