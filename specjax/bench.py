@@ -84,6 +84,9 @@ def register_cli(subparsers) -> None:
     p.add_argument("--categories", nargs="+", default=None, metavar="C",
                    help="categories to keep (space- or comma-separated; default: all)")
     p.add_argument("--limit", type=int, default=None, metavar="N", help="at most N prompts per category (file order)")
+    p.add_argument("--split", default=None, metavar="FILE[:PART]",
+                   help="keep the prompts whose question_id is in PART (default eval) of a split JSON "
+                        "{'train': [ids], 'eval': [ids]}, e.g. the drafter's configs/spec_bench_split.json")
     add_model_args(p, multi_draft=True)
     # bench overrides: several weight formats; chat on by default
     p.add_argument("--dtype", nargs="+", default=None, choices=["float32", "bfloat16", "int8"],
@@ -135,6 +138,40 @@ def select_prompts(prompts: list[dict], categories: Sequence[str] | str | None, 
     if not prompts:
         raise _usage("no prompts left after --categories/--limit")
     return prompts
+
+
+def filter_split(prompts: list[dict], spec: str | None) -> list[dict]:
+    """Keep the prompts whose ``question_id`` is listed under PART of the split file
+    ``spec = "FILE[:PART]"`` (PART defaults to ``eval``). A bare name (``spec_bench_split.json``)
+    is also looked up among the configs shipped with specjax.
+
+    Raises:
+      UsageError: unreadable file, unknown PART, prompts without ``question_id``, nothing kept.
+    """
+    if not spec:
+        return prompts
+    path, _, part = spec.partition(":")
+    part = part or "eval"
+    if not os.path.exists(path):
+        from importlib import resources
+
+        shipped = resources.files("specjax.shipped_configs") / os.path.basename(path)
+        if not shipped.is_file():
+            raise _usage(f"--split: no such file: {path}")
+        path = str(shipped)
+    try:
+        with open(path) as f:
+            split = json.load(f)
+    except (OSError, ValueError) as e:
+        raise _usage(f"--split: cannot read {path} as JSON ({e})") from None
+    if not isinstance(split, dict) or not isinstance(split.get(part), list):
+        parts = sorted(k for k, v in split.items() if isinstance(v, list)) if isinstance(split, dict) else []
+        raise _usage(f"--split: {path} has no list {part!r}; it has {parts}")
+    ids = set(split[part])
+    kept = [p for p in prompts if p["question_id"] in ids]
+    if not kept:
+        raise _usage(f"--split: none of the prompts has a question_id in {path}:{part}")
+    return kept
 
 
 def make_batches(prompts: Sequence[dict], batch_size: int) -> list[list[int]]:
@@ -603,7 +640,7 @@ def cmd_bench(args) -> int:
             raise _usage("--gamma auto is not supported by bench; give the values to compare, e.g. --gamma 3 4 5")
         gammas.append(v)
 
-    prompts = select_prompts(read_prompts(args.prompts), args.categories, args.limit)
+    prompts = select_prompts(filter_split(read_prompts(args.prompts), args.split), args.categories, args.limit)
     results = run_bench(
         prompts, model=s["model"], drafts=drafts, gammas=gammas, dtypes=dtypes, draft_dtype=draft_dtype,
         temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"], seed=args.seed,

@@ -59,12 +59,16 @@ def tiny_model(seed=0, scale=None, **kw):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _release_compiled_programs():
-    """Drop JAX's in-memory compiled programs after each test module: the real model's
-    programs in three formats otherwise pile up to several GB in one pytest process.
-    (The persistent on-disk cache keeps later compiles cheap.)"""
+def _release_compiled_programs(request):
+    """Drop compiled programs after each test module (a module's shared ``_COMPILED`` dict
+    and JAX's in-memory caches). Each XLA CPU executable maps hundreds of memory regions;
+    kept for the whole session they reach the kernel's limit (vm.max_map_count, 65,530) and
+    XLA crashes in a later compile. The persistent on-disk cache keeps recompiles cheap."""
     yield
     import gc
 
+    shared = getattr(request.module, "_COMPILED", None)
+    if isinstance(shared, dict):
+        shared.clear()
     gc.collect()
     jax.clear_caches()

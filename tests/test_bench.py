@@ -178,3 +178,29 @@ def test_peers_transformers_same_schema(tiny_dir, tmp_path, capsys, monkeypatch)
         assert m["overall"]["new_tokens"] == 8
     assert res["methods"]["ar"]["overall"]["speedup"] == 1.0
     assert res["config"]["greedy_mismatches_vs_ar"] == 0
+
+
+def test_split_keeps_the_listed_question_ids(tmp_path):
+    from specjax.api import read_prompts
+    from specjax.bench import filter_split
+    from specjax.cli import UsageError
+
+    prompts = read_prompts(_spec_bench(tmp_path))
+    split = tmp_path / "split.json"
+    split.write_text(json.dumps({"train": [1, 2, 3, 6], "eval": [4, 5]}))
+    assert [p["question_id"] for p in filter_split(prompts, str(split))] == [4, 5]
+    assert [p["question_id"] for p in filter_split(prompts, f"{split}:train")] == [1, 2, 3, 6]
+    with pytest.raises(UsageError, match="has no list 'dev'"):
+        filter_split(prompts, f"{split}:dev")
+    with pytest.raises(UsageError, match="no such file"):
+        filter_split(prompts, str(tmp_path / "missing.json"))
+    split.write_text(json.dumps({"eval": [99]}))
+    with pytest.raises(UsageError, match="none of the prompts"):
+        filter_split(prompts, str(split))
+    # the drafter's committed split is found by name among the shipped configs
+    shipped = [{"prompt": "x", "question_id": q, "category": "c"} for q in (81, 82, 83)]
+    from importlib import resources
+
+    ev = json.loads((resources.files("specjax.shipped_configs") / "spec_bench_split.json").read_text())["eval"]
+    shipped.append({"prompt": "y", "question_id": ev[0], "category": "c"})
+    assert [p["question_id"] for p in filter_split(shipped, "spec_bench_split.json")] == [ev[0]]
