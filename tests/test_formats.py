@@ -182,7 +182,9 @@ def test_real_accuracy_against_float32(default_model, formats_models, real_promp
     """bfloat16 top-1 agreement with float32 >= 98% on real prompts; int8 reported."""
     from specjax.formats import accuracy_report, format_report
 
-    rep = accuracy_report(default_model, formats_models, real_prompts[:6], max_new_tokens=32)
+    # all 10 prompts, 32 tokens: the same autoregressive programs as the exactness test below
+    # (compiled once, then read from the persistent compilation cache)
+    rep = accuracy_report(default_model, formats_models, real_prompts, max_new_tokens=32)
     print("\n" + format_report(rep, 32))
     assert rep["bfloat16"]["top1_agreement"] >= 0.98, rep["bfloat16"]
     assert rep["bfloat16"]["mean_kl"] < rep["int8"]["mean_kl"] + 1.0  # both finite and reported
