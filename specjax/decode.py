@@ -32,7 +32,7 @@ from specjax.models import llama
 from specjax.sampling import SamplingParams, sample
 from specjax.speculative import verify
 
-PROMPT_BUCKET = 32
+PROMPT_BUCKET = 32  # smallest prompt bucket; prompts pad to the next power of two ≥ this
 BUFFER_BUCKET = 64
 
 
@@ -317,6 +317,14 @@ def _bucket(n: int, size: int) -> int:
     return max(size, -(-n // size) * size)
 
 
+def prompt_bucket(n: int) -> int:
+    """Padded prompt length for a prompt of ``n`` tokens: the next power of two, at least
+    ``PROMPT_BUCKET``. Each bucket compiles its own prefill and decode programs, so
+    geometric buckets keep the number of programs logarithmic in the prompt lengths
+    seen (at most 2× prefill padding; the decode loop never attends to the padding)."""
+    return max(PROMPT_BUCKET, 1 << max(0, int(n) - 1).bit_length())
+
+
 def request_keys(seed: int | Sequence[int], batch: int, offset: int = 0) -> jax.Array:
     """Per-row request keys ``[B, 2]``: ``fold_in(PRNGKey(seed), offset + i)`` for an int seed
     (row identity = its index in the request list, not its batch slot), or
@@ -406,7 +414,7 @@ class Decoder:
         plens = np.array([len(p) for p in prompts], np.int32)
         mn = np.broadcast_to(np.asarray(max_new_tokens, np.int64), (b,))
         mn = np.minimum(mn, ctx_limit - plens).astype(np.int32)  # the context limit, per row
-        p_bucket = _bucket(int(plens.max()), PROMPT_BUCKET)
+        p_bucket = prompt_bucket(int(plens.max()))
         buf = _bucket(p_bucket + int(mn.max()) + self.gamma + 1, BUFFER_BUCKET)
         prompt = np.zeros((b, p_bucket), np.int32)
         for i, p in enumerate(prompts):

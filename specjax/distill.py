@@ -37,6 +37,7 @@ import os
 import shutil
 import sys
 import time
+import zlib
 from collections import Counter, defaultdict
 
 import numpy as np
@@ -44,7 +45,7 @@ import numpy as np
 RUN_KEYS = ("model", "prompts", "split", "steps", "seed", "batch_size", "lr", "eval_every", "data", "sub_vocab",
             "intermediate", "window", "max_new_tokens", "gen_batch", "topk", "ce_weight", "unroll_weight",
             "warmup", "checkpoint_every", "chat", "weight_decay", "max_prompt_tokens", "onpolicy_after", "gamma",
-            "data_dir", "ce")
+            "data_dir", "ce", "samples_per_prompt", "data_temperature")
 
 
 # --------------------------------------------------------------------------- prompts
@@ -103,9 +104,14 @@ def _encode(target, rec, chat, history=None):
 
 
 def _gen_fn(target, prompt_len: int, max_new: int, topk: int):
-    """Jitted greedy generation that also returns what training needs, so no separate
-    teacher pass is run: per position the target's final hidden state, top-k
-    probabilities and argmax (prefill positions and generated positions)."""
+    """Jitted generation that also returns what training needs, so no separate teacher
+    pass is run: per position the target's final hidden state, top-k probabilities and
+    argmax (prefill positions and generated positions).
+
+    ``f(params, prompt [b, p] int32, lengths [b] int32, temps [b] float32, seeds [b] int32)``:
+    a row with ``temps == 0`` continues greedily; otherwise it samples from
+    softmax(logits / temp) with keys folded from its seed and the step (reproducible).
+    The stored top-k / argmax are always the target's temperature-1 distribution."""
     import jax
     import jax.numpy as jnp
 
@@ -118,20 +124,30 @@ def _gen_fn(target, prompt_len: int, max_new: int, topk: int):
         tv, ti = jax.lax.top_k(logp, topk)
         return jnp.exp(tv), ti.astype(jnp.int32), jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
+    def choose(logits, greedy, temps, keys, i):  # logits [b, vocab]
+        ks = jax.vmap(jax.random.fold_in, (0, None))(keys, i)
+        scaled = logits / jnp.where(temps > 0, temps, 1.0)[:, None]
+        sampled = jax.vmap(jax.random.categorical)(ks, scaled).astype(jnp.int32)
+        return jnp.where(temps > 0, sampled, greedy)
+
     @jax.jit
-    def f(params, prompt, lengths):
+    def f(params, prompt, lengths, temps, seeds):
         b, p = prompt.shape
+        keys = jax.vmap(jax.random.PRNGKey)(seeds)
         cache = llama.KVCache.create(cfg, b, p + max_new + 1, jnp.float32)
         pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
         out = llama.apply(gd, params, prompt, pos, cache, cfg, return_hidden=True)
         pp, pi, pa = stats(out.logits)
-        first = jnp.take_along_axis(pa, (lengths - 1)[:, None], axis=1)[:, 0]
+        last = (lengths - 1)[:, None]
+        first = choose(jnp.take_along_axis(out.logits, last[:, :, None], axis=1)[:, 0],
+                       jnp.take_along_axis(pa, last, axis=1)[:, 0], temps, keys, max_new)
 
         def step(carry, i):
             tok, cache = carry
             o = llama.apply(gd, params, tok[:, None], (lengths + i)[:, None], cache, cfg, return_hidden=True)
             sp, si, sa = stats(o.logits[:, 0])
-            return (sa, o.cache), (tok, o.hidden[:, 0], sp, si, sa)
+            nxt = choose(o.logits[:, 0], sa, temps, keys, i)
+            return (nxt, o.cache), (tok, o.hidden[:, 0], sp, si, sa)
 
         _, (toks, gh, gp, gi, ga) = jax.lax.scan(step, (first, out.cache), jnp.arange(max_new, dtype=jnp.int32))
         sw = lambda x: jnp.swapaxes(x, 0, 1)
@@ -191,7 +207,7 @@ def _onpolicy_fn(target, dcfg, prompt_len: int, max_new: int, topk: int):
 
 
 def generate_data(target, records, *, max_new_tokens, batch, chat, max_prompt_tokens, topk, parts_dir,
-                  first_ids=(), drafter=None, log=print):
+                  first_ids=(), drafter=None, log=print, samples=1, temperature=0.8, seed=0, greedy_only=()):
     """Greedy target continuations of the (chat-templated) prompts, each prompt cut to its
     last ``max_prompt_tokens`` tokens (the hidden states are then exact for that cut
     input), with the target's hidden states / top-k / argmax at every position.
@@ -201,16 +217,28 @@ def generate_data(target, records, *, max_new_tokens, batch, chat, max_prompt_to
     questions) go first. Returns nothing: read the parts with :func:`collect_parts`.
     With ``drafter = (EagleConfig, params)`` the continuations are the drafter's greedy
     first drafts instead, scored by the target (:func:`_onpolicy_fn`).
+
+    ``samples > 1`` adds ``samples - 1`` continuations per prompt sampled at
+    ``temperature`` (seeded from ``seed``, the question id and the sample index), except
+    for the question ids in ``greedy_only`` (evaluation prompts keep their one greedy
+    continuation). Each sequence records its ``sample`` index (0 = greedy).
     """
     import jax.numpy as jnp
 
     os.makedirs(parts_dir, exist_ok=True)
     rank = {q: i for i, q in enumerate(first_ids)}
+    if samples < 1 or (samples > 1 and not temperature > 0):
+        raise DistillError(f"samples per prompt must be >= 1 (got {samples}) and the data temperature > 0 "
+                           f"(got {temperature})")
+    if drafter is not None and samples != 1:
+        raise DistillError("on-policy (drafter) data is greedy: one sample per prompt")
+    greedy_only = set(greedy_only)
     items = []
     for r in records:
         ids = _encode(target, r, chat)[-max_prompt_tokens:]
-        items.append((r, ids))
-    items.sort(key=lambda x: (rank.get(x[0]["question_id"], len(rank)), x[0]["question_id"]))
+        for k in range(1 if r["question_id"] in greedy_only else samples):
+            items.append((r, ids, k))
+    items.sort(key=lambda x: (x[2] > 0, rank.get(x[0]["question_id"], len(rank)), x[0]["question_id"], x[2]))
     p = max(len(x[1]) for x in items)
     f = None
     eos = set(target.config.eos_token_ids)
@@ -222,20 +250,24 @@ def generate_data(target, records, *, max_new_tokens, batch, chat, max_prompt_to
         if f is None:
             if drafter is None:
                 g = _gen_fn(target, p, max_new_tokens, topk)
-                f = lambda params, prompt, lens: g(params, prompt, lens)
+                f = lambda params, prompt, lens, temps, seeds: g(params, prompt, lens, temps, seeds)
             else:
                 g = _onpolicy_fn(target, drafter[0], p, max_new_tokens, topk)
-                f = lambda params, prompt, lens: g(params, drafter[1], prompt, lens)
+                f = lambda params, prompt, lens, temps, seeds: g(params, drafter[1], prompt, lens)
         chunk = items[lo: lo + batch]
         rows = chunk + [chunk[-1]] * (batch - len(chunk))
         prompt = np.zeros((batch, p), np.int32)
         lens = np.array([len(x[1]) for x in rows], np.int32)
-        for j, (_, ids) in enumerate(rows):
+        temps = np.array([temperature if k else 0.0 for _, _, k in rows], np.float32)
+        seeds = np.array([zlib.crc32(f"{seed}/{r['question_id']}/{k}".encode()) & 0x7FFFFFFF for r, _, k in rows],
+                         np.int32)
+        for j, (_, ids, _) in enumerate(rows):
             prompt[j, : len(ids)] = ids
-        outs = [np.asarray(x) for x in f(target.params, jnp.asarray(prompt), jnp.asarray(lens))]
+        outs = [np.asarray(x) for x in f(target.params, jnp.asarray(prompt), jnp.asarray(lens), jnp.asarray(temps),
+                                         jnp.asarray(seeds))]
         ph, pp, pi, pa, gt, gh, gp, gi, ga = outs
         seqs, hid, tps, tis, ams = [], [], [], [], []
-        for j, (r, ids) in enumerate(chunk):
+        for j, (r, ids, k) in enumerate(chunk):
             n = len(ids)
             new = gt[j].tolist()  # new[i] is the input of step i (position n + i)
             cut = len(new)
@@ -244,7 +276,8 @@ def generate_data(target, records, *, max_new_tokens, batch, chat, max_prompt_to
                     cut = i + 1
                     break
             seqs.append({"question_id": r["question_id"], "category": r["category"], "ids": ids + new[:cut],
-                         "prompt_len": n, "turn": 0, "source": "target" if drafter is None else "drafter"})
+                         "prompt_len": n, "turn": 0, "sample": k, "seed": seed,
+                         "source": "target" if drafter is None else "drafter"})
             hid += [ph[j, :n], gh[j, :cut]]
             tps += [pp[j, :n], gp[j, :cut]]
             tis += [pi[j, :n], gi[j, :cut]]
@@ -273,6 +306,28 @@ def collect_parts(parts_dir):
             arrs[k].append(z[k])
     if not seqs:
         raise DistillError(f"{parts_dir}: no generated data yet")
+    return seqs, {k: np.concatenate(v) for k, v in arrs.items()}
+
+
+def collect_data(dirs):
+    """Several data sets (``collect_parts`` of each) as one. A continuation present in more
+    than one set is kept once: the greedy one of a prompt (``sample`` 0, the same for every
+    seed) or a sampled one with the same seed and sample index."""
+    seqs, arrs, off = [], defaultdict(list), 0
+    seen = set()
+    for d in dirs:
+        ds, da = collect_parts(d)
+        for q in ds:
+            k = q.get("sample", 0)
+            key = (q["question_id"], q.get("turn", 0), q.get("source"), k, q.get("seed", 0) if k else None)
+            if key in seen:
+                continue
+            seen.add(key)
+            lo, n = q["offset"], len(q["ids"])
+            for name, v in da.items():
+                arrs[name].append(v[lo: lo + n])
+            seqs.append(dict(q, offset=off))
+            off += n
     return seqs, {k: np.concatenate(v) for k, v in arrs.items()}
 
 
@@ -576,22 +631,26 @@ def run(args) -> dict:
     chat = bool(s.chat) and target.tokenizer is not None and target.tokenizer.chat_template is not None
 
     # ---- data
-    data_dir = os.path.abspath(s.data_dir) if s.data_dir else os.path.join(out, "data")
-    if s.data_dir and not os.path.isdir(data_dir):
-        raise DistillError(f"--data-dir {s.data_dir}: no data set there (a run's DIR/data)")
-    if not s.data_dir:
+    given = [s.data_dir] if isinstance(s.data_dir, str) else list(s.data_dir or [])
+    data_dirs = [os.path.abspath(x) for x in given] or [os.path.join(out, "data")]
+    for x, a in zip(given, data_dirs):
+        if not os.path.isdir(a):
+            raise DistillError(f"--data-dir {x}: no data set there (a run's DIR/data)")
+    data_dir = data_dirs[0]
+    if not given:
         recs = [r for r in records if r["question_id"] in tr_ids or r["question_id"] in ev_ids]
         if s.data not in ("target", "both"):
             _log("--data drafter: the first data set still comes from the target (the drafter starts untrained)")
         generate_data(target, recs, max_new_tokens=s.max_new_tokens, batch=s.gen_batch, chat=chat,
                       max_prompt_tokens=s.max_prompt_tokens, topk=s.topk, parts_dir=data_dir,
-                      first_ids=_generation_order(records, ev_ids, tr_ids, s.gen_batch), log=_log)
-    seqs, data = collect_parts(data_dir)
+                      first_ids=_generation_order(records, ev_ids, tr_ids, s.gen_batch), log=_log,
+                      samples=s.samples_per_prompt, temperature=s.data_temperature, seed=s.seed, greedy_only=ev_ids)
+    seqs, data = collect_data(data_dirs)
     for q in seqs:
         q["split"] = "eval" if q["question_id"] in ev_ids else "train"
     vocab = target.config.vocab_size
     train_idx = [i for i, q in enumerate(seqs) if q["split"] == "train"]
-    eval_idx = [i for i, q in enumerate(seqs) if q["split"] == "eval" and q["turn"] == 0]
+    eval_idx = [i for i, q in enumerate(seqs) if q["split"] == "eval" and q["turn"] == 0 and not q.get("sample")]
     sub_ids = choose_sub_vocab([seqs[i] for i in train_idx], vocab, s.sub_vocab)
     sub_pos = np.full(vocab, -1, np.int32)
     sub_pos[sub_ids] = np.arange(len(sub_ids), dtype=np.int32)
@@ -835,7 +894,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--checkpoint-every", type=int, default=50)
     p.add_argument("--data", default="target", choices=["target", "drafter", "both"])
-    p.add_argument("--data-dir", default=None, help="reuse the data set of another run (its DIR/data)")
+    p.add_argument("--data-dir", default=None, nargs="+", metavar="DIR",
+                   help="reuse the data set(s) of other runs (their DIR/data; several are merged, shared greedy "
+                        "continuations kept once) instead of generating one")
     p.add_argument("--onpolicy-after", type=int, default=0)
     p.add_argument("--gamma", type=int, default=4)
     p.add_argument("--sub-vocab", type=int, default=8192, help="head rows: most frequent target tokens")
@@ -844,6 +905,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=96, help="target continuation length")
     p.add_argument("--max-prompt-tokens", type=int, default=96, help="keep the last N prompt tokens")
     p.add_argument("--gen-batch", type=int, default=16)
+    p.add_argument("--samples-per-prompt", type=int, default=1,
+                   help="continuations per training prompt: 1 greedy + N-1 sampled at --data-temperature")
+    p.add_argument("--data-temperature", type=float, default=0.8,
+                   help="temperature of the extra sampled continuations (the stored targets stay temperature 1)")
     p.add_argument("--topk", type=int, default=16, help="target probabilities stored per position")
     p.add_argument("--ce-weight", type=float, default=1.0)
     p.add_argument("--ce", default="full", choices=["full", "topk"],

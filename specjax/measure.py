@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import analysis
-from specjax.decode import BUFFER_BUCKET, PROMPT_BUCKET, Decoder, _bucket
+from specjax.decode import BUFFER_BUCKET, Decoder, _bucket, prompt_bucket
 from specjax.drafters.base import DraftContext
 from specjax.drafters.model import ModelDrafter, fit_vocab
 from specjax.models import llama
@@ -90,7 +90,7 @@ def prompt_records(prompts, target=None, chat: bool = False) -> list[dict]:
 
 def decode_buffer_len(prompt_len: int, max_new_tokens: int, gamma: int) -> int:
     """The token/KV buffer length the decoder uses (``Decoder.prepare``) for one prompt."""
-    return _bucket(_bucket(int(prompt_len), PROMPT_BUCKET) + int(max_new_tokens) + int(gamma) + 1, BUFFER_BUCKET)
+    return _bucket(prompt_bucket(int(prompt_len)) + int(max_new_tokens) + int(gamma) + 1, BUFFER_BUCKET)
 
 
 def _cache_dtype(model) -> Any:

@@ -446,6 +446,24 @@ def test_request_keys():
         request_keys([1, 2, 3], 2)
 
 
+
+def test_prompt_buckets_are_geometric(tiny):
+    """Prompts pad to the next power of two (≥ 32): lengths 1..1024 need 6 prompt shapes,
+    and the decoder's buffer (``Decoder.prepare``) is what ``measure.decode_buffer_len``
+    reports, so memory estimates match the programs that run."""
+    from specjax.decode import prompt_bucket
+    from specjax.measure import decode_buffer_len
+
+    assert [prompt_bucket(n) for n in (1, 32, 33, 64, 65, 129, 1000)] == [32, 32, 64, 64, 128, 256, 1024]
+    assert len({prompt_bucket(n) for n in range(1, 1025)}) == 6
+    assert all(prompt_bucket(n) >= n for n in range(1, 3000))
+    dec = Decoder(tiny["target"], None, gamma=0)
+    for n in (5, 40, 70):
+        prog, args = dec.prepare([[3] * n], max_new_tokens=9)
+        assert args[2].shape == (1, prompt_bucket(n))
+        assert prog.buffer_len == decode_buffer_len(n, 9, 0)
+
+
 # --------------------------------------------------------------------------- distribution
 V_SMALL = 8
 N_ROWS = 4000

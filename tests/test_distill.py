@@ -191,3 +191,47 @@ def jax_tree_scale_embed(params):
     p = jax.tree_util.tree_map(lambda x: x, params)
     p["embed"].value = p["embed"].value * 1.5
     return p
+
+
+def test_sampled_continuations_are_seeded_and_eval_stays_greedy(tiny_setup, tmp_path):
+    """``--samples-per-prompt 3``: sample 0 is the greedy continuation (identical to a
+    one-sample data set), samples 1..2 are sampled (they differ from greedy on a target
+    whose logits are not peaked), the same seed gives the same tokens, and the questions
+    in ``greedy_only`` (the eval split) get only their greedy continuation."""
+    from specjax.distill import DistillError, collect_data, collect_parts, generate_data
+    from specjax.loading import load_model
+
+    target = load_model(str(tiny_setup / "target"), dtype="float32")
+    flat = tiny_model(1)  # not peaked: sampling at temperature 1 leaves the greedy path
+    recs = [{"question_id": i, "category": "c", "ids": [3 + i, 7, 11 + i]} for i in range(4)]
+    kw = dict(max_new_tokens=12, batch=8, chat=False, max_prompt_tokens=8, topk=4)
+
+    def gen(model, name, **extra):
+        generate_data(model, recs, parts_dir=str(tmp_path / name), log=lambda *_: None, **kw, **extra)
+        return collect_parts(str(tmp_path / name))
+
+    one, _ = gen(flat, "one")
+    three, arr = gen(flat, "three", samples=3, temperature=1.0, seed=5, greedy_only={3})
+    again, arr2 = gen(flat, "again", samples=3, temperature=1.0, seed=5, greedy_only={3})
+    key = lambda q: (q["question_id"], q["sample"])
+    assert sorted(map(key, three)) == sorted([(q, k) for q in range(3) for k in range(3)] + [(3, 0)])
+    greedy = {q["question_id"]: q["ids"] for q in one}
+    by = {key(q): q["ids"] for q in three}
+    assert all(by[(q, 0)] == greedy[q] for q in range(4))
+    assert sum(by[(q, k)] != greedy[q] for q in range(3) for k in (1, 2)) >= 4
+    assert [q["ids"] for q in three] == [q["ids"] for q in again]
+    np.testing.assert_array_equal(arr["hidden"], arr2["hidden"])
+    # merging data sets (--data-dir A B C): continuations present in several are kept once
+    other, oarr = gen(flat, "other", samples=2, temperature=1.0, seed=6)
+    merged, marr = collect_data([str(tmp_path / n) for n in ("three", "again", "other")])
+    mkey = lambda q: (q["question_id"], q["sample"], q["seed"] if q["sample"] else None)
+    assert len(merged) == len({mkey(q) for q in merged}) == len(three) + 4  # + seed 6's sample 1 of q0..q3
+    sources = [(q, arr) for q in three] + [(q, oarr) for q in other]
+    for q in merged:
+        src, sarr = next((p, a) for p, a in sources if mkey(p) == mkey(q))
+        assert q["ids"] == src["ids"]
+        for name in ("hidden", "argmax", "topk_p"):
+            np.testing.assert_array_equal(marr[name][q["offset"]: q["offset"] + len(q["ids"])],
+                                          sarr[name][src["offset"]: src["offset"] + len(src["ids"])])
+    with pytest.raises(DistillError, match="samples per prompt"):
+        generate_data(target, recs, parts_dir=str(tmp_path / "bad"), samples=0, **kw)
