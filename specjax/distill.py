@@ -249,8 +249,7 @@ def generate_data(target, records, *, max_new_tokens, batch, chat, max_prompt_to
             continue
         if f is None:
             if drafter is None:
-                g = _gen_fn(target, p, max_new_tokens, topk)
-                f = lambda params, prompt, lens, temps, seeds: g(params, prompt, lens, temps, seeds)
+                f = _gen_fn(target, p, max_new_tokens, topk)
             else:
                 g = _onpolicy_fn(target, drafter[0], p, max_new_tokens, topk)
                 f = lambda params, prompt, lens, temps, seeds: g(params, drafter[1], prompt, lens)
