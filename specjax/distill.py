@@ -26,6 +26,13 @@ Pipeline (everything under ``--out DIR``):
    data order and keys (the batch and key of step s depend only on (seed, s)).
 5. **export**: ``DIR/drafter`` (safetensors + ``drafter.json`` with the target fingerprint),
    loadable with :func:`specjax.drafters.eagle.load_drafter`.
+
+Copy term (``--copy-ngram N``, :mod:`specjax.drafters.eagle`): the head also scores the
+prompt-lookup candidate with learned per-match-length biases and a context weight. A
+drafter fits its own training text far better than new text, so on that text copying
+looks useless; ``--init-from D --train-only copy --self-prompts K`` therefore fits only
+the copy term, on K prompts the target writes itself (:func:`self_prompts`, Magpie) and
+their greedy answers — text the drafter never saw.
 """
 
 from __future__ import annotations
@@ -45,7 +52,8 @@ import numpy as np
 RUN_KEYS = ("model", "prompts", "split", "steps", "seed", "batch_size", "lr", "eval_every", "data", "sub_vocab",
             "intermediate", "window", "max_new_tokens", "gen_batch", "topk", "ce_weight", "unroll_weight",
             "warmup", "checkpoint_every", "chat", "weight_decay", "max_prompt_tokens", "onpolicy_after", "gamma",
-            "data_dir", "ce", "samples_per_prompt", "data_temperature")
+            "data_dir", "ce", "samples_per_prompt", "data_temperature", "copy_ngram", "init_from", "self_prompts",
+            "train_only")
 
 
 # --------------------------------------------------------------------------- prompts
@@ -289,6 +297,61 @@ def generate_data(target, records, *, max_new_tokens, batch, chat, max_prompt_to
         log(f"generated {min(lo + batch, len(items))}/{len(items)} sequences ({time.time() - t0:.0f}s)")
 
 
+# Every other self-prompt wraps the sampled text in a task that reuses it (as summaries,
+# extraction, rewriting and translation requests do), so the copy term sees such contexts.
+SELF_TASKS = (
+    "Summarize the following text in a few sentences.\n\n{}",
+    "List the key facts stated in this text.\n\n{}",
+    "Rewrite the following text in a clear, formal style.\n\n{}",
+    "Translate the following text into French.\n\n{}",
+    "Read the text below, then answer: what is it about, and who is involved?\n\n{}",
+)
+
+
+def self_prompts(target, n: int, seed: int, path: str, *, max_tokens: int = 64, batch: int = 64, log=print):
+    """``n`` user prompts written by the target itself (Magpie, Xu et al. 2024): the chat
+    template up to the start of a user turn, then tokens sampled at temperature 1 until the
+    end of the turn (at most ``max_tokens``); every other one is wrapped in one of
+    ``SELF_TASKS`` (summarize / extract / rewrite / translate / answer about the text).
+    Prompts the drafter never saw, for fitting what must generalize (the copy term).
+    Written once to ``path`` (JSONL, question ids ``self-<seed>-<i>``, category ``self``)
+    and read back on a resume; empty and repeated prompts are dropped, so there may be
+    fewer than ``n``."""
+    import jax.numpy as jnp
+
+    if os.path.exists(path):
+        return read_records(path)
+    tok = target.tokenizer
+    if tok is None or tok.chat_template is None:
+        raise DistillError("--self-prompts needs a target with a tokenizer and a chat template")
+    mark = "\u2063"
+    text = tok.apply_chat_template([{"role": "user", "content": mark}])
+    prefix = tok.encode(text[: text.index(mark)], add_special_tokens=False)
+    f = _gen_fn(target, len(prefix), max_tokens, 1)
+    eos = set(target.config.eos_token_ids)
+    recs, seen = [], set()
+    for lo in range(0, n, batch):
+        seeds = np.array([zlib.crc32(f"self/{seed}/{i}".encode()) & 0x7FFFFFFF for i in range(lo, lo + batch)],
+                         np.int32)
+        prompt = jnp.asarray(np.tile(np.asarray(prefix, np.int32), (batch, 1)))
+        outs = f(target.params, prompt, jnp.full((batch,), len(prefix), jnp.int32),
+                 jnp.ones((batch,), jnp.float32), jnp.asarray(seeds))
+        for j, row in enumerate(np.asarray(outs[4]).tolist()[: n - lo]):
+            cut = next((i for i, t in enumerate(row) if t in eos), len(row))
+            q = tok.decode(row[:cut]).strip()
+            if q and q not in seen:
+                seen.add(q)
+                i = lo + j
+                text = SELF_TASKS[(i // 2) % len(SELF_TASKS)].format(q) if i % 2 else q
+                recs.append({"question_id": f"self-{seed}-{i}", "category": "self", "turns": [text]})
+        log(f"self-prompts: {len(recs)} from {min(lo + batch, n)} samples")
+    with open(path + ".tmp", "w", encoding="utf-8") as fh:
+        for r in recs:
+            fh.write(json.dumps(r) + "\n")
+    os.replace(path + ".tmp", path)
+    return recs
+
+
 def collect_parts(parts_dir):
     """All finished parts as ``(seqs with offsets, arrays)``."""
     seqs, arrs = [], defaultdict(list)
@@ -367,6 +430,27 @@ def choose_sub_vocab(seqs, vocab_size: int, k: int) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------- windows / batches
+def lookup_candidates(ids, max_n: int):
+    """Prompt-lookup candidates for every position of a sequence: ``(cand [T], n [T])``
+    int32, where ``cand[t]`` is the token that followed the latest earlier occurrence of the
+    n-gram ending at ``ids[t]`` (n = max_n … 1, longest first; that occurrence must end
+    before t) and ``n[t]`` its size (0 and token 0: no match). The same rule as
+    :func:`specjax.drafters.ngram.lookup_candidate` in the decode loop."""
+    t_len = len(ids)
+    cand = np.zeros(t_len, np.int32)
+    size = np.zeros(t_len, np.int32)
+    last = {}  # n-gram -> end position of its latest occurrence so far
+    for t in range(t_len):
+        for n in range(min(max_n, t + 1), 0, -1):
+            e = last.get(tuple(ids[t - n + 1: t + 1]))
+            if e is not None:
+                cand[t], size[t] = ids[e + 1], n
+                break
+        for n in range(1, min(max_n, t + 1) + 1):
+            last[tuple(ids[t - n + 1: t + 1])] = t
+    return cand, size
+
+
 def make_windows(seqs, window: int, eval_only_response: bool = False):
     """``(seq index, start)`` windows tiling each sequence from its end (response first)."""
     out = []
@@ -384,10 +468,12 @@ def make_windows(seqs, window: int, eval_only_response: bool = False):
     return out
 
 
-def build_batch(seqs, data, windows, sub_pos, window: int, d: int, eval_mask=False):
+def build_batch(seqs, data, windows, sub_pos, window: int, d: int, eval_mask=False, copy_ngram: int = 0):
     """Arrays for a list of windows: feats_in (h_{t-1}), tokens, target h, top-k (as
     sub-vocab positions, −1 outside), target argmax as sub-vocab position (−1 outside),
-    loss mask, response mask, category index."""
+    loss mask, response mask, category index. With ``copy_ngram``: also the copy
+    candidate per position (``cand``, its match size ``cand_n``, its sub-vocab position
+    ``cand_pos``), and the raw top-k ids ``tk`` and argmax ``amt``."""
     b = len(windows)
     fin = np.zeros((b, window, d), np.float32)
     tok = np.zeros((b, window), np.int32)
@@ -415,7 +501,22 @@ def build_batch(seqs, data, windows, sub_pos, window: int, d: int, eval_mask=Fal
         pos = np.arange(st, st + n)
         # response positions: predicting a generated token (positions prompt_len-1 .. t-2)
         resp[j, :n] = ((pos >= s["prompt_len"] - 1) & (pos <= t - 2)).astype(np.float32)
-    return dict(feats=fin, tokens=tok, th=th, tp=tpp, ti=tpi, am=am, mask=mask, resp=resp)
+    out = dict(feats=fin, tokens=tok, th=th, tp=tpp, ti=tpi, am=am, mask=mask, resp=resp)
+    if copy_ngram:
+        cand = np.zeros((b, window), np.int32)
+        cn = np.zeros((b, window), np.int32)
+        tk = np.full((b, window, k), -1, np.int32)
+        amt = np.full((b, window), -1, np.int32)
+        for j, (i, st) in enumerate(windows):
+            s = seqs[i]
+            n = min(window, len(s["ids"]) - st)
+            off = s["offset"]
+            c, m = lookup_candidates(s["ids"][: st + n], copy_ngram)
+            cand[j, :n], cn[j, :n] = c[st:], m[st:]
+            tk[j, :n] = data["topk_idx"][off + st: off + st + n]
+            amt[j, :n] = data["argmax"][off + st: off + st + n]
+        out.update(cand=cand, cand_n=cn, cand_pos=sub_pos[cand], tk=tk, amt=amt)
+    return out
 
 
 # --------------------------------------------------------------------------- model/loss
@@ -448,6 +549,9 @@ def _loss_parts(cfg, params, batch, ce_weight, full_head=False, full_ce=True, se
         diff = f - batch["th"]
         ad = jnp.abs(diff)
         sl1 = jnp.mean(jnp.where(ad < 1.0, 0.5 * diff * diff, ad - 0.5), axis=-1)
+        if cfg.copy_ngram:
+            ce, hit = _copy_terms(params, f, batch)
+            return sl1 + ce_weight * ce, hit
         if full_ce:  # soft labels (target top-k inside S) against log q over the whole sub-vocabulary
             full = jax.nn.log_softmax(eagle.sub_logits(params, f), axis=-1)
             lq = jnp.take_along_axis(full, jnp.maximum(ti, 0), axis=-1)
@@ -470,6 +574,36 @@ def _loss_parts(cfg, params, batch, ce_weight, full_head=False, full_ce=True, se
         return l1, jnp.zeros_like(l1), hit1, jnp.zeros_like(hit1)
     l2, hit2 = terms(f2)
     return l1, l2, hit1, hit2
+
+
+def _copy_terms(params, f, batch):
+    """Cross-entropy and greedy hits of a drafter with a copy term: q over the
+    sub-vocabulary plus the copy candidate (:func:`specjax.drafters.eagle.copy_logit`),
+    against the target's top-k probabilities on the tokens q can give (inside S, or the
+    candidate). ``f [B, W, D]``; returns ``(ce [B, W], hit [B, W])``."""
+    import jax
+    import jax.numpy as jnp
+
+    from specjax.drafters import eagle
+
+    sl = eagle.sub_logits(params, f)  # [B, W, S]
+    cand, cn, cpos = batch["cand"], batch["cand_n"], batch["cand_pos"]
+    has = cn > 0
+    lc = eagle.copy_logit(params, f, cand, cn)  # -inf where no candidate
+    in_s = jax.nn.one_hot(cpos, sl.shape[-1], dtype=bool) & has[..., None]  # cpos = -1 -> all False
+    sl = jnp.where(in_s, lc[..., None], sl)
+    extra = jnp.where(has & (cpos < 0), lc, -jnp.inf)
+    logz = jnp.logaddexp(jax.nn.logsumexp(sl, axis=-1), extra)
+    ti, tk = batch["ti"], batch["tk"]
+    is_c = has[..., None] & (tk == cand[..., None])
+    ok = (ti >= 0) | is_c
+    lq = jnp.where(is_c, lc[..., None], jnp.take_along_axis(sl, jnp.maximum(ti, 0), axis=-1)) - logz[..., None]
+    pp = jnp.where(ok, batch["tp"], 0.0)
+    pp = pp / jnp.maximum(pp.sum(-1, keepdims=True), 1e-9)
+    ce = -jnp.sum(jnp.where(ok, pp * lq, 0.0), axis=-1)
+    best = jnp.argmax(sl, axis=-1)
+    pred = jnp.where(has & (lc > jnp.max(sl, axis=-1)), cand, params["frozen"]["sub_ids"][best])
+    return ce, (pred == batch["amt"]).astype(jnp.float32)
 
 
 def make_train_step(cfg, opt, ce_weight, unroll_weight, full_ce=True):
@@ -509,16 +643,36 @@ def make_eval_fn(cfg):
     return ev
 
 
-def make_optimizer(steps, lr, warmup, weight_decay):
+COPY_BIAS_LR_MULT = 100.0  # the copy term's per-n biases need logit-sized moves (a few units) in few steps
+
+
+def make_optimizer(steps, lr, warmup, weight_decay, freeze_base=False):
+    """AdamW with linear warmup and cosine decay, global-norm clipping at 1. The copy
+    term's biases ``copy_b`` (if any) use ``COPY_BIAS_LR_MULT`` × the learning rate and no
+    weight decay: each is one scalar that must move by several logits. ``freeze_base``:
+    only ``copy_w``/``copy_b`` change."""
+    import jax
     import optax
 
     warmup = max(1, min(warmup, steps // 5 or 1))
-    sched = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1), end_value=lr * 0.05)
-    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=weight_decay))
+
+    def sched(peak):
+        return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, max(steps, warmup + 1), end_value=peak * 0.05)
+
+    def label(k):
+        if k == "copy_b":
+            return "bias"
+        return "frozen" if freeze_base and k != "copy_w" else "base"
+
+    labels = lambda tp: {k: jax.tree_util.tree_map(lambda _: label(k), v) for k, v in tp.items()}
+    inner = optax.multi_transform({"base": optax.adamw(sched(lr), weight_decay=weight_decay),
+                                   "bias": optax.adam(sched(lr * COPY_BIAS_LR_MULT)),
+                                   "frozen": optax.set_to_zero()}, labels)
+    return optax.chain(optax.clip_by_global_norm(1.0), inner)
 
 
 # --------------------------------------------------------------------------- evaluation
-def evaluate(ev, tp, frozen, seqs, data, eval_idx, sub_pos, window, d, batch_size):
+def evaluate(ev, tp, frozen, seqs, data, eval_idx, sub_pos, window, d, batch_size, copy_ngram=0):
     """Greedy α of the first draft (true features) and of a second draft (own features),
     over the response positions of the eval sequences, pooled and per category."""
     import jax.numpy as jnp
@@ -530,7 +684,7 @@ def evaluate(ev, tp, frozen, seqs, data, eval_idx, sub_pos, window, d, batch_siz
     for lo in range(0, len(wins), batch_size):
         chunk = wins[lo: lo + batch_size]
         pad = chunk + [chunk[-1]] * (batch_size - len(chunk))
-        bt = build_batch(seqs, data, pad, sub_pos, window, d)
+        bt = build_batch(seqs, data, pad, sub_pos, window, d, copy_ngram=copy_ngram)
         h1, h2, n = (np.asarray(x) for x in ev(tp, frozen, {k: jnp.asarray(v) for k, v in bt.items()}))
         for j, (i, _) in enumerate(chunk):
             v = np.array([h1[j], h2[j], n[j]])
@@ -644,24 +798,55 @@ def run(args) -> dict:
                       max_prompt_tokens=s.max_prompt_tokens, topk=s.topk, parts_dir=data_dir,
                       first_ids=_generation_order(records, ev_ids, tr_ids, s.gen_batch), log=_log,
                       samples=s.samples_per_prompt, temperature=s.data_temperature, seed=s.seed, greedy_only=ev_ids)
+    if s.self_prompts:
+        if not s.copy_ngram and s.train_only == "copy":
+            raise DistillError("--train-only copy needs --copy-ngram N")
+        recs = self_prompts(target, s.self_prompts, s.seed, os.path.join(out, "self_prompts.jsonl"),
+                            batch=s.gen_batch, log=_log)
+        generate_data(target, recs, max_new_tokens=s.max_new_tokens, batch=s.gen_batch, chat=chat,
+                      max_prompt_tokens=s.max_prompt_tokens, topk=s.topk, parts_dir=os.path.join(out, "data_self"),
+                      log=_log)
+        data_dirs = data_dirs + [os.path.join(out, "data_self")]
     seqs, data = collect_data(data_dirs)
     for q in seqs:
         q["split"] = "eval" if q["question_id"] in ev_ids else "train"
     vocab = target.config.vocab_size
     train_idx = [i for i, q in enumerate(seqs) if q["split"] == "train"]
     eval_idx = [i for i, q in enumerate(seqs) if q["split"] == "eval" and q["turn"] == 0 and not q.get("sample")]
-    sub_ids = choose_sub_vocab([seqs[i] for i in train_idx], vocab, s.sub_vocab)
+    init = None
+    if s.init_from:  # warm start: the trained weights (and sub-vocabulary) of a saved drafter
+        init = eagle.load_drafter(s.init_from, target)
+        sub_ids = np.asarray(init.params["frozen"]["sub_ids"])
+        s.intermediate = init.config.layer.intermediate_size
+        _log(f"starting from the drafter in {s.init_from} (its sub-vocabulary of {len(sub_ids)} and MLP width "
+             f"{s.intermediate})")
+    else:
+        sub_ids = choose_sub_vocab([seqs[i] for i in train_idx], vocab, s.sub_vocab)
     sub_pos = np.full(vocab, -1, np.int32)
     sub_pos[sub_ids] = np.arange(len(sub_ids), dtype=np.int32)
     cov = np.mean([sub_pos[t] >= 0 for i in eval_idx for t in seqs[i]["ids"][seqs[i]["prompt_len"]:]] or [1.0])
     _log(f"{len(train_idx)} train / {len(eval_idx)} eval sequences; {sum(len(seqs[i]['ids']) for i in train_idx)} "
          f"train tokens; sub-vocab {len(sub_ids)} covers {cov:.3f} of eval response tokens")
 
-    cfg = eagle.EagleConfig.for_target(target.config, len(sub_ids), s.intermediate)
+    if s.copy_ngram and s.data != "target":
+        raise DistillError("--copy-ngram trains on target data only (--data target): on-policy generation has no "
+                           "copy term yet")
+    if s.copy_ngram and s.ce != "full":
+        raise DistillError("--copy-ngram needs --ce full (the copy term competes with the whole sub-vocabulary)")
+    cfg = eagle.EagleConfig.for_target(target.config, len(sub_ids), s.intermediate, copy_ngram=s.copy_ngram)
     frozen = eagle.frozen_params(target, sub_ids)
     d = cfg.hidden_size
-    tp = eagle.init_params(cfg, s.seed, target.params["final_norm"][...])
-    opt = make_optimizer(s.steps, s.lr, s.warmup, s.weight_decay)
+    if init is None:
+        tp = eagle.init_params(cfg, s.seed, target.params["final_norm"][...])
+    else:
+        tp = {k: v for k, v in init.params["train"].items() if k not in ("copy_w", "copy_b") or s.copy_ngram}
+        if s.copy_ngram and tp.get("copy_b") is not None and tp["copy_b"].shape != (s.copy_ngram,):
+            tp.pop("copy_w"), tp.pop("copy_b")
+        tp = {**eagle.init_copy_params(cfg), **tp}
+    if s.train_only == "copy" and not (s.copy_ngram and s.init_from):
+        raise DistillError("--train-only copy fits the copy term of a trained drafter: give --copy-ngram N and "
+                           "--init-from DRAFTER_DIR")
+    opt = make_optimizer(s.steps, s.lr, s.warmup, s.weight_decay, freeze_base=s.train_only == "copy")
     opt_state = opt.init(tp)
     step_fn = make_train_step(cfg, opt, s.ce_weight, s.unroll_weight, s.ce == "full")
     ev_fn = make_eval_fn(cfg)
@@ -684,8 +869,12 @@ def run(args) -> dict:
                 history = [h for h in json.load(f) if h["step"] <= start]
         _log(f"restored checkpoint at step {start}")
 
-    windows = make_windows([seqs[i] for i in train_idx], s.window)
-    windows = [(train_idx[i], st) for i, st in windows]
+    fit_idx = train_idx
+    if s.train_only == "copy" and s.self_prompts:  # text the drafter has not memorized
+        fit_idx = [i for i in train_idx if seqs[i]["category"] == "self"]
+        _log(f"--train-only copy: fitting on the {len(fit_idx)} self-prompt sequences")
+    windows = make_windows([seqs[i] for i in fit_idx], s.window)
+    windows = [(fit_idx[i], st) for i, st in windows]
     bs = s.batch_size
     ds = {"seqs": seqs, "data": data, "windows": windows}
     onpolicy = s.data in ("drafter", "both") and 0 < s.onpolicy_after < s.steps
@@ -720,7 +909,8 @@ def run(args) -> dict:
             take = perm[pos: pos + bs - len(idx)]
             idx += take.tolist()
             epoch, pos = epoch + 1, 0
-        return build_batch(ds["seqs"], ds["data"], [ds["windows"][i] for i in idx], sub_pos, s.window, d)
+        return build_batch(ds["seqs"], ds["data"], [ds["windows"][i] for i in idx], sub_pos, s.window, d,
+                           copy_ngram=s.copy_ngram)
 
     if getattr(args, "export_only", False):  # write DIR/drafter from the latest checkpoint, no training
         if latest is None:
@@ -730,7 +920,7 @@ def run(args) -> dict:
         add_onpolicy()
 
     def do_eval(step):
-        r = evaluate(ev_fn, tp, frozen, seqs, data, eval_idx, sub_pos, s.window, d, bs)
+        r = evaluate(ev_fn, tp, frozen, seqs, data, eval_idx, sub_pos, s.window, d, bs, s.copy_ngram)
         r["step"] = step
         history.append(r)
         with open(os.path.join(out, "history.json.tmp"), "w") as f:
@@ -900,6 +1090,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gamma", type=int, default=4)
     p.add_argument("--sub-vocab", type=int, default=8192, help="head rows: most frequent target tokens")
     p.add_argument("--intermediate", type=int, default=1024, help="drafter MLP width")
+    p.add_argument("--copy-ngram", type=int, default=0, metavar="N",
+                   help="add a learned copy term over the prompt-lookup candidate (n-grams up to N; 0 = none)")
+    p.add_argument("--self-prompts", type=int, default=0, metavar="N",
+                   help="also train on N prompts written by the target itself (Magpie) and its greedy answers")
+    p.add_argument("--train-only", default=None, choices=["copy"],
+                   help="'copy': fit only the copy term of the --init-from drafter (on the self-prompt sequences "
+                        "when --self-prompts is given: text the drafter has not memorized)")
+    p.add_argument("--init-from", default=None, metavar="DRAFTER_DIR",
+                   help="start from a saved drafter's weights and sub-vocabulary (e.g. models/...; new copy-term "
+                        "parameters start at zero)")
     p.add_argument("--window", type=int, default=192, help="positions per training window")
     p.add_argument("--max-new-tokens", type=int, default=96, help="target continuation length")
     p.add_argument("--max-prompt-tokens", type=int, default=96, help="keep the last N prompt tokens")

@@ -536,7 +536,21 @@ def chi_square(tokens, probs):
     return float(sps.chi2.sf(stat, len(e) - 1)), impossible
 
 
-@pytest.mark.parametrize("kind", ["model", "ngram"])
+def eagle_copy_drafter(target):
+    """An untrained EAGLE drafter with a copy term (n ≤ 3) whose sub-vocabulary lacks half
+    the tokens: q mixes the sub-vocabulary head with boosted prompt-lookup candidates, also
+    outside S (arbitrary, but it must still be exact)."""
+    from specjax.drafters import eagle
+
+    cfg = eagle.EagleConfig.for_target(target.config, V_SMALL // 2, 32, copy_ngram=3)
+    tp = eagle.init_params(cfg, 7)
+    tp["copy_b"] = jnp.asarray([0.5, 1.5, 3.0], jnp.float32)
+    tp["copy_w"] = 0.1 * jax.random.normal(jax.random.PRNGKey(8), tp["copy_w"].shape)
+    sub = np.arange(0, V_SMALL, 2, dtype=np.int32)
+    return eagle.EagleDrafter(cfg, {"train": tp, "frozen": eagle.frozen_params(target, sub)}, name="eagle-copy")
+
+
+@pytest.mark.parametrize("kind", ["model", "ngram", "eagle_copy"])
 def test_sampled_distribution_is_the_targets(small_vocab, kind):
     """Chi-square (α = 1e-3 each, fixed keys) of the first 3 tokens of 4000 speculative rows
     (γ = 2, temperature 1; also top-k 3) against the exact autoregressive distribution; a
@@ -547,7 +561,9 @@ def test_sampled_distribution_is_the_targets(small_vocab, kind):
         d = sv["drafter"]
         return ReportingDrafter(d, params={"inner": d.params, "misreport": jnp.asarray(misreport)})
 
-    dec = make_decoder(sv["target"], reporting(False) if kind == "model" else NgramDrafter(3), 2)
+    drafter = {"model": lambda: reporting(False), "ngram": lambda: NgramDrafter(3),
+               "eagle_copy": lambda: eagle_copy_drafter(sv["target"])}[kind]()
+    dec = make_decoder(sv["target"], drafter, 2)
     prompts = [sv["prompt"]] * N_ROWS
     for top_k, seed in ((0, 0), (3, 1)):
         sp = SamplingParams.create(N_ROWS, temperature=1.0, top_k=top_k)

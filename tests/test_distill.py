@@ -235,3 +235,65 @@ def test_sampled_continuations_are_seeded_and_eval_stays_greedy(tiny_setup, tmp_
                                           sarr[name][src["offset"]: src["offset"] + len(src["ids"])])
     with pytest.raises(DistillError, match="samples per prompt"):
         generate_data(target, recs, parts_dir=str(tmp_path / "bad"), samples=0, **kw)
+
+
+def test_copy_term_fit_keeps_the_drafter_and_stays_exact(tiny_setup, tmp_path):
+    """``--copy-ngram 2 --init-from D --train-only copy``: the drafter's own weights and
+    sub-vocabulary are kept bitwise, only the copy term moves; the exported drafter
+    reloads with its copy term, and greedy speculative decoding with it equals greedy
+    autoregressive decoding. Bad combinations are refused with the fix named."""
+    from specjax import distill
+    from specjax.decode import Decoder
+    from specjax.drafters import eagle
+    from specjax.loading import load_model
+
+    base = tiny_setup / "gate_a" / "drafter"
+    data_dir = tiny_setup / "gate_a" / "data"
+    if not base.exists():  # gate (a) not run (e.g. -k)
+        distill.run(_args(tiny_setup, tiny_setup / "gate_a", "--steps", "150", "--eval-every", "0"))
+    out = tmp_path / "copy"
+    res = distill.run(_args(tiny_setup, out, "--data-dir", str(data_dir), "--init-from", str(base),
+                            "--copy-ngram", "2", "--train-only", "copy", "--steps", "30", "--eval-every", "30",
+                            "--checkpoint-every", "30"))
+    before, after = _tensors(tiny_setup / "gate_a"), _tensors(out)
+    assert set(after) == set(before) | {"copy_w", "copy_b"}
+    for k in before:
+        np.testing.assert_array_equal(after[k], before[k], err_msg=k)
+    assert np.abs(after["copy_b"]).max() > 0.1 and np.abs(after["copy_w"]).max() > 0
+    assert 0 <= res["final"]["alpha"] <= 1
+    target = load_model(str(tiny_setup / "target"))
+    dr = eagle.load_drafter(str(out / "drafter"), target)
+    assert dr.config.copy_ngram == 2
+    prompts = [[5, 9, 17, 3, 5, 9], [44], [7, 7, 8, 100, 7, 7, 8]]
+    ar = Decoder(target).generate(prompts, max_new_tokens=16, eos_ids=[])
+    for gamma in (1, 3):
+        sp = Decoder(target, dr, gamma).generate(prompts, max_new_tokens=16, eos_ids=[])
+        assert sp.tokens == ar.tokens, gamma
+    with pytest.raises(ValueError, match="--init-from"):
+        distill.run(_args(tiny_setup, tmp_path / "bad1", "--data-dir", str(data_dir), "--copy-ngram", "2",
+                          "--train-only", "copy", "--steps", "1"))
+    with pytest.raises(ValueError, match="--ce full"):
+        distill.run(_args(tiny_setup, tmp_path / "bad2", "--data-dir", str(data_dir), "--copy-ngram", "2",
+                          "--ce", "topk", "--steps", "1"))
+
+
+def test_self_prompts_are_seeded_and_kept(tmp_path, default_model):
+    """Magpie-style prompts: written once (a second call reads the file, nothing is
+    regenerated), the same for the same seed, named self-<seed>-<i>."""
+    from conftest import tiny_config
+    from specjax.distill import self_prompts
+    from specjax.loading import Model
+    from specjax.models import llama
+
+    v = default_model.config.vocab_size
+    cfg = tiny_config(vocab_size=v, hidden_size=32, intermediate_size=64, num_heads=4, num_kv_heads=2,
+                      eos_token_ids=tuple(default_model.config.eos_token_ids))
+    gd, params = llama.init_model(cfg, seed=0)
+    m = Model(cfg, gd, params, default_model.tokenizer, name="tiny-tok")
+    a = self_prompts(m, 6, 3, str(tmp_path / "a.jsonl"), max_tokens=8, batch=4, log=lambda *_: None)
+    b = self_prompts(m, 6, 3, str(tmp_path / "b.jsonl"), max_tokens=8, batch=4, log=lambda *_: None)
+    assert a == b and 0 < len(a) <= 6
+    assert all(r["question_id"].startswith("self-3-") and r["category"] == "self" and r["turns"][0] for r in a)
+    mtime = os.path.getmtime(tmp_path / "a.jsonl")
+    assert self_prompts(None, 6, 3, str(tmp_path / "a.jsonl")) == a  # read back, no model needed
+    assert os.path.getmtime(tmp_path / "a.jsonl") == mtime

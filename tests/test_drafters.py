@@ -89,6 +89,34 @@ def test_ngram_matches_python_lookup(min_n, max_n, gamma):
     assert np.array_equal(q, np.eye(16, dtype=np.float32)[toks])  # q is one-hot at the proposal
 
 
+@pytest.mark.parametrize("max_n", [1, 3])
+def test_copy_candidate_matches_training_lookup(max_n):
+    """The decode loop's copy candidate (``lookup_candidate``, JAX, per prefix) equals the
+    one training uses (``distill.lookup_candidates``, NumPy, whole sequences) and the
+    brute-force prompt lookup, including the matched size n."""
+    from specjax.distill import lookup_candidates
+    from specjax.drafters.ngram import lookup_candidate
+
+    rng = np.random.default_rng(max_n)
+    L = 40
+    seqs = [rng.integers(0, 4, L), rng.integers(0, 30, L), np.tile([5, 6, 7, 8], L // 4)]
+    f = jax.jit(lambda t, n: lookup_candidate(t, n, max_n))
+    for seq in seqs:
+        seq = seq.astype(np.int32)
+        cand, size = lookup_candidates(seq.tolist(), max_n)
+        lengths = np.arange(1, L + 1, dtype=np.int32)
+        c, n = map(np.asarray, f(jnp.asarray(np.tile(seq, (L, 1))), jnp.asarray(lengths)))
+        np.testing.assert_array_equal(c, cand)
+        np.testing.assert_array_equal(n, size)
+        for t in range(L):
+            want, found = ngram_reference(seq, t + 1, 1, 1, max_n)
+            assert (size[t] > 0) == (found > 0) and (not found or cand[t] == want[0]), t
+            if found:  # n is the longest size that matches
+                assert all(ngram_reference(seq, t + 1, 1, m, m)[1] == 0 for m in range(size[t] + 1, max_n + 1))
+                assert ngram_reference(seq, t + 1, 1, size[t], size[t])[1] > 0
+    assert (size > 0).any()
+
+
 def test_ngram_sizes_validated():
     with pytest.raises(ValueError, match="ngram"):
         NgramDrafter(max_ngram=2, min_ngram=3)

@@ -7,6 +7,17 @@ Architecture (per position t, D = the target's width):
     f_t = RMSNorm(y_t)                      predicted feature ≈ h_t (the target's state at t)
     q(x_{t+1}) ∝ exp(f_t · E[s])  for s in the sub-vocabulary S, 0 elsewhere
 
+With ``copy_ngram = N > 0`` the head also gets a learned copy term (a pointer, as in
+See et al. 2017, over the prompt-lookup candidate of Saxena 2023): c_t is the token that
+followed the latest earlier occurrence of the trailing n-gram ending at x_t (n ≤ N,
+longest first, :func:`specjax.drafters.ngram.lookup_candidate`); its logit becomes
+
+    l(c_t) = f_t · E[c_t] + b_n + w · f_t    (b: one trained bias per match length n; w: [D])
+
+for any token c_t, in S or not (E[c_t]: the target's head row). The drafter thus learns
+from the context when copying beats its own prediction; q is still exactly what is
+sampled from.
+
 ``e`` is the target's (frozen) token embedding and ``E[S]`` the frozen rows of the
 target's tied LM head restricted to the |S| (e.g. 8k) most frequent tokens: the head
 costs |S|/V of the full one, and the drafter stays exact because q is exactly what is
@@ -44,10 +55,11 @@ import numpy as np
 
 from specjax.config import ModelConfig
 from specjax.drafters.base import DraftContext, Proposal
+from specjax.drafters.ngram import lookup_candidate
 from specjax.models import llama
 from specjax.sampling import sample
 
-TRAINABLE = ("fc", "fc_b", "layer", "out_norm")
+TRAINABLE = ("fc", "fc_b", "layer", "out_norm", "copy_w", "copy_b")
 LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 
 
@@ -62,6 +74,7 @@ class EagleConfig:
 
     layer: ModelConfig
     sub_vocab: int
+    copy_ngram: int = 0
 
     @property
     def hidden_size(self) -> int:
@@ -79,12 +92,16 @@ class EagleConfig:
         l = self.layer
         return {"kind": "eagle", "hidden_size": l.hidden_size, "intermediate_size": l.intermediate_size,
                 "num_heads": l.num_heads, "num_kv_heads": l.num_kv_heads, "head_dim": l.head_dim,
-                "sub_vocab": self.sub_vocab, "vocab_size": l.vocab_size}
+                "sub_vocab": self.sub_vocab, "vocab_size": l.vocab_size, "copy_ngram": self.copy_ngram}
 
     @classmethod
     def for_target(cls, target_cfg: ModelConfig, sub_vocab: int, intermediate_size: int | None = None,
-                   num_heads: int | None = None, num_kv_heads: int | None = None) -> "EagleConfig":
-        """A drafter config matching ``target_cfg``'s width, heads and RoPE."""
+                   num_heads: int | None = None, num_kv_heads: int | None = None,
+                   copy_ngram: int = 0) -> "EagleConfig":
+        """A drafter config matching ``target_cfg``'s width, heads and RoPE. ``copy_ngram``:
+        longest n-gram of the copy term (0 = no copy term)."""
+        if copy_ngram < 0:
+            raise ValueError(f"copy_ngram must be >= 0 (0 = no copy term), got {copy_ngram}")
         layer = dataclasses.replace(
             target_cfg, num_layers=1,
             intermediate_size=int(intermediate_size or target_cfg.intermediate_size),
@@ -92,7 +109,7 @@ class EagleConfig:
             num_kv_heads=int(num_kv_heads or target_cfg.num_kv_heads),
             head_dim=target_cfg.head_dim if num_heads is None else target_cfg.hidden_size // int(num_heads),
         )
-        return cls(layer=layer, sub_vocab=int(min(sub_vocab, target_cfg.vocab_size)))
+        return cls(layer=layer, sub_vocab=int(min(sub_vocab, target_cfg.vocab_size)), copy_ngram=int(copy_ngram))
 
 
 def init_params(cfg: EagleConfig, seed: int = 0, target_final_norm=None) -> dict:
@@ -114,7 +131,17 @@ def init_params(cfg: EagleConfig, seed: int = 0, target_final_norm=None) -> dict
         "w_down": n(ks[7], (f, d)),
     }
     out_norm = jnp.ones((d,), jnp.float32) if target_final_norm is None else jnp.asarray(target_final_norm, jnp.float32)
-    return {"fc": n(ks[0], (2 * d, d)), "fc_b": jnp.zeros((d,), jnp.float32), "layer": layer, "out_norm": out_norm}
+    tp = {"fc": n(ks[0], (2 * d, d)), "fc_b": jnp.zeros((d,), jnp.float32), "layer": layer, "out_norm": out_norm}
+    tp.update(init_copy_params(cfg))
+    return tp
+
+
+def init_copy_params(cfg: EagleConfig) -> dict:
+    """The copy term's parameters (zeros: the candidate starts with its plain head logit);
+    empty without a copy term."""
+    if not cfg.copy_ngram:
+        return {}
+    return {"copy_w": jnp.zeros((cfg.hidden_size,), jnp.float32), "copy_b": jnp.zeros((cfg.copy_ngram,), jnp.float32)}
 
 
 def _value(params, name):
@@ -133,7 +160,8 @@ def target_embed(target) -> jax.Array:
 
 def frozen_params(target, sub_ids) -> dict:
     """The parts taken from the target: full embedding (input lookups), head rows of the
-    sub-vocabulary (``[|S|, D]``, from the tied embedding or the untied head) and ``sub_ids``."""
+    sub-vocabulary (``[|S|, D]``, from the tied embedding or the untied head) and ``sub_ids``;
+    for an untied head also ``out_embed`` (``[V, D]``, every head row, for the copy term)."""
     sub_ids = jnp.asarray(np.asarray(sub_ids, np.int32))
     emb = target_embed(target)
     if target.config.tie_word_embeddings:
@@ -144,6 +172,7 @@ def frozen_params(target, sub_ids) -> dict:
         if scale is not None:
             w = w * scale[None, :]
         head = jnp.take(w, sub_ids, axis=1).T
+        return {"embed": emb, "head": jnp.asarray(head, jnp.float32), "sub_ids": sub_ids, "out_embed": w.T}
     return {"embed": emb, "head": jnp.asarray(head, jnp.float32), "sub_ids": sub_ids}
 
 
@@ -192,11 +221,29 @@ def sub_logits(params: dict, f) -> jax.Array:
     return jnp.einsum("...d,sd->...s", f.astype(head.dtype), head, preferred_element_type=jnp.float32)
 
 
-def full_logits(params: dict, f, vocab_size: int) -> jax.Array:
-    """Logits over the target vocab ``[..., V]``: ``-inf`` outside the sub-vocabulary."""
+def copy_logit(params: dict, f, cand, n) -> jax.Array:
+    """Logit of the copy candidate ``[...]``: ``f · E[cand] + b[n-1] + w · f`` (``-inf`` where
+    ``n == 0``: no candidate). ``f [..., D]``, ``cand``/``n`` int32 ``[...]``."""
+    tp, fz = params["train"], params["frozen"]
+    rows = jnp.take(fz.get("out_embed", fz["embed"]), cand, axis=0).astype(jnp.float32)
+    f = f.astype(jnp.float32)
+    b = jnp.take(tp["copy_b"], jnp.maximum(n - 1, 0))
+    lc = jnp.sum(f * rows, axis=-1) + b + f @ tp["copy_w"]
+    return jnp.where(n > 0, lc, -jnp.inf)
+
+
+def full_logits(params: dict, f, vocab_size: int, cand=None, n=None) -> jax.Array:
+    """Logits over the target vocab ``[B, V]`` for features ``f [B, D]``: ``-inf`` outside the
+    sub-vocabulary, and (with ``cand``/``n`` ``[B]``, a copy term) the candidate's logit
+    replaced by :func:`copy_logit` where a candidate exists."""
     s = sub_logits(params, f)
     out = jnp.full(s.shape[:-1] + (vocab_size,), -jnp.inf, jnp.float32)
-    return out.at[..., params["frozen"]["sub_ids"]].set(s)
+    out = out.at[..., params["frozen"]["sub_ids"]].set(s)
+    if cand is None:
+        return out
+    lc = copy_logit(params, f, cand, n)
+    rows = jnp.arange(out.shape[0])
+    return out.at[rows, cand].set(jnp.where(n > 0, lc, out[rows, cand]))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -243,23 +290,34 @@ class EagleDrafter:
         f, cache = forward(cfg, params, hid, toks, pos, state["cache"])
         f1 = jnp.take_along_axis(f, n[:, None, None], axis=1)[:, 0]  # position L-1
 
-        def draw(feat, key_col):
-            probs = context.sampling.process(full_logits(params, feat, vocab_size))
+        rows = jnp.arange(lengths.shape[0])
+
+        def draw(feat, key_col, tbuf, tlen):
+            if cfg.copy_ngram:
+                cand, cn = lookup_candidate(tbuf, tlen, cfg.copy_ngram)
+                logits = full_logits(params, feat, vocab_size, cand, cn)
+            else:
+                logits = full_logits(params, feat, vocab_size)
+            probs = context.sampling.process(logits)
             return jax.vmap(sample)(key_col, probs), probs
 
-        x1, q1 = draw(f1, keys[:, 0])
+        tbuf = context.tokens
+        x1, q1 = draw(f1, keys[:, 0], tbuf, lengths)
 
         def step(carry, inp):
-            tok, feat, cache = carry
+            tok, feat, cache, tbuf = carry
             i, key_col = inp
             p_ = (lengths - 1 + i)[:, None]
             fo, cache = forward(cfg, params, feat[:, None], tok[:, None], p_, cache)
-            nxt, probs = draw(fo[:, 0], key_col)
-            return (nxt, fo[:, 0], cache), (nxt, probs)
+            if cfg.copy_ngram:  # the copy candidate sees the drafts so far
+                tbuf = tbuf.at[rows, jnp.minimum(lengths - 1 + i, buf - 1)].set(tok)
+            nxt, probs = draw(fo[:, 0], key_col, tbuf, jnp.minimum(lengths + i, buf))
+            return (nxt, fo[:, 0], cache, tbuf), (nxt, probs)
 
         if gamma > 1:
             idx = jnp.arange(1, gamma, dtype=jnp.int32)
-            (_, _, cache), (tk, pr) = jax.lax.scan(step, (x1, f1, cache), (idx, jnp.swapaxes(keys[:, 1:], 0, 1)))
+            (_, _, cache, _), (tk, pr) = jax.lax.scan(step, (x1, f1, cache, tbuf),
+                                                      (idx, jnp.swapaxes(keys[:, 1:], 0, 1)))
             tokens = jnp.concatenate([x1[:, None], jnp.swapaxes(tk, 0, 1)], axis=1)
             q = jnp.concatenate([q1[:, None], jnp.swapaxes(pr, 0, 1)], axis=1)
         else:
@@ -304,15 +362,18 @@ def fingerprint_mismatch(saved: dict, fp: dict) -> str | None:
 
 def flat_trainable(tp: dict) -> dict[str, np.ndarray]:
     out = {"fc": tp["fc"], "fc_b": tp["fc_b"], "out_norm": tp["out_norm"]}
+    out.update({k: tp[k] for k in ("copy_w", "copy_b") if k in tp})
     for k in LAYER_KEYS:
         out[f"layer.{k}"] = tp["layer"][k]
     return {k: np.asarray(v) for k, v in out.items()}
 
 
 def unflat_trainable(flat: dict) -> dict:
-    return {"fc": jnp.asarray(flat["fc"], jnp.float32), "fc_b": jnp.asarray(flat["fc_b"], jnp.float32),
-            "out_norm": jnp.asarray(flat["out_norm"], jnp.float32),
-            "layer": {k: jnp.asarray(flat[f"layer.{k}"], jnp.float32) for k in LAYER_KEYS}}
+    tp = {"fc": jnp.asarray(flat["fc"], jnp.float32), "fc_b": jnp.asarray(flat["fc_b"], jnp.float32),
+          "out_norm": jnp.asarray(flat["out_norm"], jnp.float32),
+          "layer": {k: jnp.asarray(flat[f"layer.{k}"], jnp.float32) for k in LAYER_KEYS}}
+    tp.update({k: jnp.asarray(flat[k], jnp.float32) for k in ("copy_w", "copy_b") if k in flat})
+    return tp
 
 
 def save_drafter(path: str, cfg: EagleConfig, trainable: dict, sub_ids, target, extra: dict | None = None,
@@ -366,8 +427,12 @@ def load_drafter(path, target, dtype: str = "float32", name: str = "eagle", chec
                 f"{target.name!r} ({why}); use --draft ngram, or train one for it with `specjax distill`")
     tensors = st_load(raw)
     c = meta["config"]
-    cfg = EagleConfig.for_target(target.config, c["sub_vocab"], c["intermediate_size"], c["num_heads"], c["num_kv_heads"])
+    cfg = EagleConfig.for_target(target.config, c["sub_vocab"], c["intermediate_size"], c["num_heads"], c["num_kv_heads"],
+                                 c.get("copy_ngram", 0))
     tp = unflat_trainable({k: np.asarray(v, np.float32) for k, v in tensors.items() if k != "sub_ids"})
+    if cfg.copy_ngram and not {"copy_w", "copy_b"} <= set(tp):
+        raise CheckpointError(f"{path}: drafter.json sets copy_ngram = {cfg.copy_ngram} but the weights have no "
+                              "copy_w/copy_b; the directory is incomplete or mixed")
     if dtype == "bfloat16":  # weights rounded to bf16, computed in float32 (rows are few: bf16 matmuls are slow here)
         tp = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16).astype(jnp.float32), tp)
     fz = frozen_params(target, tensors["sub_ids"])
