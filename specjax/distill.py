@@ -960,7 +960,8 @@ def run(args) -> dict:
     shutil.rmtree(dd + ".tmp", ignore_errors=True)
     eagle.save_drafter(dd + ".tmp", cfg, tp, sub_ids, target, extra={
         "steps": s.steps, "seed": s.seed, "train_sequences": len(train_idx),
-        "train_tokens": int(sum(len(seqs[i]["ids"]) for i in train_idx)), "eval": final})
+        "train_tokens": int(sum(len(seqs[i]["ids"]) for i in train_idx)), "eval": final,
+        "init_from": s.init_from, "train_only": s.train_only, "fit_sequences": len(fit_idx)})
     if os.path.exists(dd):
         shutil.rmtree(dd)
     os.replace(dd + ".tmp", dd)

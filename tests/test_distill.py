@@ -269,6 +269,14 @@ def test_copy_term_fit_keeps_the_drafter_and_stays_exact(tiny_setup, tmp_path):
     for gamma in (1, 3):
         sp = Decoder(target, dr, gamma).generate(prompts, max_new_tokens=16, eos_ids=[])
         assert sp.tokens == ar.tokens, gamma
+    # dynamic draft length: a confidence floor offers fewer drafts, the output is unchanged
+    drafted = lambda r: sum(x["drafted_tokens"] for x in r.stats)
+    full = Decoder(target, dr, 3).generate(prompts, max_new_tokens=16, eos_ids=[])
+    picky = eagle.load_drafter(str(out / "drafter"), target, min_confidence=0.9)
+    sp = Decoder(target, picky, 3).generate(prompts, max_new_tokens=16, eos_ids=[])
+    assert sp.tokens == ar.tokens and drafted(sp) < drafted(full)
+    with pytest.raises(ValueError, match="min_confidence"):
+        eagle.load_drafter(str(out / "drafter"), target, min_confidence=1.5)
     with pytest.raises(ValueError, match="--init-from"):
         distill.run(_args(tiny_setup, tmp_path / "bad1", "--data-dir", str(data_dir), "--copy-ngram", "2",
                           "--train-only", "copy", "--steps", "1"))

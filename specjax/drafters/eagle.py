@@ -248,14 +248,26 @@ def full_logits(params: dict, f, vocab_size: int, cand=None, n=None) -> jax.Arra
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class EagleDrafter:
-    """EAGLE-style feature drafter (static part; ``params`` = ``{"train", "frozen"}``)."""
+    """EAGLE-style feature drafter (static part; ``params`` = ``{"train", "frozen"}``).
+
+    ``min_confidence``: dynamic draft length. Drafts are offered for verification only while
+    the drafter's own confidence (its largest probability at temperature 1, copy term
+    included) stays ≥ this value; a round whose first draft is below it is a plain target
+    step (the γ+1-token verification call is skipped at batch 1). Exactness does not
+    depend on it (a stopping rule on the drafter's side, as in SpecDec++, Huang et al.
+    2024). Worth it where verification costs more than a plain step: propose iff the
+    expected acceptance a satisfies a / (v(γ) − 1) > the current tokens per target-call
+    cost, ≈ 0.35 for float32 on the reference CPU (v(1) = 1.34); 0 (always propose) where
+    verification is nearly free (GPU/TPU).
+    """
 
     config: EagleConfig
     params: Any = dataclasses.field(repr=False, default=None)
     name: str = "eagle"
+    min_confidence: float = 0.0
 
     def _key(self):
-        return (self.config, self.name)
+        return (self.config, self.name, float(self.min_confidence))
 
     def __hash__(self):
         return hash(self._key())
@@ -299,10 +311,11 @@ class EagleDrafter:
             else:
                 logits = full_logits(params, feat, vocab_size)
             probs = context.sampling.process(logits)
-            return jax.vmap(sample)(key_col, probs), probs
+            conf = jnp.exp(jnp.max(logits, axis=-1) - jax.nn.logsumexp(logits, axis=-1))
+            return jax.vmap(sample)(key_col, probs), (probs, conf)
 
         tbuf = context.tokens
-        x1, q1 = draw(f1, keys[:, 0], tbuf, lengths)
+        x1, (q1, c1) = draw(f1, keys[:, 0], tbuf, lengths)
 
         def step(carry, inp):
             tok, feat, cache, tbuf = carry
@@ -316,14 +329,17 @@ class EagleDrafter:
 
         if gamma > 1:
             idx = jnp.arange(1, gamma, dtype=jnp.int32)
-            (_, _, cache, _), (tk, pr) = jax.lax.scan(step, (x1, f1, cache, tbuf),
-                                                      (idx, jnp.swapaxes(keys[:, 1:], 0, 1)))
+            (_, _, cache, _), (tk, (pr, cf)) = jax.lax.scan(step, (x1, f1, cache, tbuf),
+                                                            (idx, jnp.swapaxes(keys[:, 1:], 0, 1)))
             tokens = jnp.concatenate([x1[:, None], jnp.swapaxes(tk, 0, 1)], axis=1)
             q = jnp.concatenate([q1[:, None], jnp.swapaxes(pr, 0, 1)], axis=1)
+            conf = jnp.concatenate([c1[:, None], jnp.swapaxes(cf, 0, 1)], axis=1)
         else:
-            tokens, q = x1[:, None], q1[:, None]
+            tokens, q, conf = x1[:, None], q1[:, None], c1[:, None]
+        # leading drafts whose confidence reaches min_confidence (all of them at 0)
+        num_valid = jnp.sum(jnp.cumprod(conf >= self.min_confidence, axis=1), axis=1).astype(jnp.int32)
         state = {"cache": cache, "h0": state["h0"], "fresh": jnp.zeros_like(fresh)}
-        return Proposal(tokens.astype(jnp.int32), q, jnp.full(lengths.shape, gamma, jnp.int32), state)
+        return Proposal(tokens.astype(jnp.int32), q, num_valid, state)
 
 
 # ------------------------------------------------------------------ fingerprint / files
@@ -398,10 +414,13 @@ def save_drafter(path: str, cfg: EagleConfig, trainable: dict, sub_ids, target, 
         json.dump(meta, f, indent=2)
 
 
-def load_drafter(path, target, dtype: str = "float32", name: str = "eagle", check: bool = True) -> EagleDrafter:
+def load_drafter(path, target, dtype: str = "float32", name: str = "eagle", check: bool = True,
+                 min_confidence: float | None = None) -> EagleDrafter:
     """Load an EAGLE drafter saved by :func:`save_drafter` for ``target``.
 
     ``path`` may be a directory path or an ``importlib.resources`` Traversable.
+    ``min_confidence``: see :class:`EagleDrafter`; ``None`` takes ``drafter.json``'s
+    ``min_confidence`` (0 when absent).
 
     Raises:
       CheckpointError: missing files, or the drafter was trained for another target
@@ -436,4 +455,8 @@ def load_drafter(path, target, dtype: str = "float32", name: str = "eagle", chec
     if dtype == "bfloat16":  # weights rounded to bf16, computed in float32 (rows are few: bf16 matmuls are slow here)
         tp = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16).astype(jnp.float32), tp)
     fz = frozen_params(target, tensors["sub_ids"])
-    return EagleDrafter(cfg, {"train": tp, "frozen": fz}, name=name)
+    if min_confidence is None:
+        min_confidence = float(meta.get("min_confidence", 0.0))
+    if not 0.0 <= min_confidence < 1.0:
+        raise ValueError(f"min_confidence must be in [0, 1), got {min_confidence}")
+    return EagleDrafter(cfg, {"train": tp, "frozen": fz}, name=name, min_confidence=float(min_confidence))
