@@ -783,6 +783,15 @@ def run(args) -> dict:
         raise DistillError(f"the split is not disjoint: {sorted(tr_ids & ev_ids)[:5]} in both")
     chat = bool(s.chat) and target.tokenizer is not None and target.tokenizer.chat_template is not None
 
+    if s.copy_ngram and s.data != "target":
+        raise DistillError("--copy-ngram trains on target data only (--data target): on-policy generation has no "
+                           "copy term yet")
+    if s.copy_ngram and s.ce != "full":
+        raise DistillError("--copy-ngram needs --ce full (the copy term competes with the whole sub-vocabulary)")
+    if s.train_only == "copy" and not (s.copy_ngram and s.init_from):
+        raise DistillError("--train-only copy fits the copy term of a trained drafter: give --copy-ngram N and "
+                           "--init-from DRAFTER_DIR")
+
     # ---- data
     given = [s.data_dir] if isinstance(s.data_dir, str) else list(s.data_dir or [])
     data_dirs = [os.path.abspath(x) for x in given] or [os.path.join(out, "data")]
@@ -799,8 +808,6 @@ def run(args) -> dict:
                       first_ids=_generation_order(records, ev_ids, tr_ids, s.gen_batch), log=_log,
                       samples=s.samples_per_prompt, temperature=s.data_temperature, seed=s.seed, greedy_only=ev_ids)
     if s.self_prompts:
-        if not s.copy_ngram and s.train_only == "copy":
-            raise DistillError("--train-only copy needs --copy-ngram N")
         recs = self_prompts(target, s.self_prompts, s.seed, os.path.join(out, "self_prompts.jsonl"),
                             batch=s.gen_batch, log=_log)
         generate_data(target, recs, max_new_tokens=s.max_new_tokens, batch=s.gen_batch, chat=chat,
@@ -828,24 +835,16 @@ def run(args) -> dict:
     _log(f"{len(train_idx)} train / {len(eval_idx)} eval sequences; {sum(len(seqs[i]['ids']) for i in train_idx)} "
          f"train tokens; sub-vocab {len(sub_ids)} covers {cov:.3f} of eval response tokens")
 
-    if s.copy_ngram and s.data != "target":
-        raise DistillError("--copy-ngram trains on target data only (--data target): on-policy generation has no "
-                           "copy term yet")
-    if s.copy_ngram and s.ce != "full":
-        raise DistillError("--copy-ngram needs --ce full (the copy term competes with the whole sub-vocabulary)")
     cfg = eagle.EagleConfig.for_target(target.config, len(sub_ids), s.intermediate, copy_ngram=s.copy_ngram)
     frozen = eagle.frozen_params(target, sub_ids)
     d = cfg.hidden_size
     if init is None:
         tp = eagle.init_params(cfg, s.seed, target.params["final_norm"][...])
     else:
-        tp = {k: v for k, v in init.params["train"].items() if k not in ("copy_w", "copy_b") or s.copy_ngram}
-        if s.copy_ngram and tp.get("copy_b") is not None and tp["copy_b"].shape != (s.copy_ngram,):
-            tp.pop("copy_w"), tp.pop("copy_b")
-        tp = {**eagle.init_copy_params(cfg), **tp}
-    if s.train_only == "copy" and not (s.copy_ngram and s.init_from):
-        raise DistillError("--train-only copy fits the copy term of a trained drafter: give --copy-ngram N and "
-                           "--init-from DRAFTER_DIR")
+        # its copy term too if it has the same one; otherwise a fresh (zero) copy term, or none
+        same = init.config.copy_ngram == s.copy_ngram
+        tp = {k: v for k, v in init.params["train"].items() if same or k not in eagle.COPY_KEYS}
+        tp.update({k: v for k, v in eagle.init_copy_params(cfg).items() if k not in tp})
     opt = make_optimizer(s.steps, s.lr, s.warmup, s.weight_decay, freeze_base=s.train_only == "copy")
     opt_state = opt.init(tp)
     step_fn = make_train_step(cfg, opt, s.ce_weight, s.unroll_weight, s.ce == "full")

@@ -59,7 +59,8 @@ from specjax.drafters.ngram import lookup_candidate
 from specjax.models import llama
 from specjax.sampling import sample
 
-TRAINABLE = ("fc", "fc_b", "layer", "out_norm", "copy_w", "copy_b")
+COPY_KEYS = ("copy_w", "copy_b")  # the copy term's parameters (present iff copy_ngram > 0)
+TRAINABLE = ("fc", "fc_b", "layer", "out_norm") + COPY_KEYS
 LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 
 
@@ -378,7 +379,7 @@ def fingerprint_mismatch(saved: dict, fp: dict) -> str | None:
 
 def flat_trainable(tp: dict) -> dict[str, np.ndarray]:
     out = {"fc": tp["fc"], "fc_b": tp["fc_b"], "out_norm": tp["out_norm"]}
-    out.update({k: tp[k] for k in ("copy_w", "copy_b") if k in tp})
+    out.update({k: tp[k] for k in COPY_KEYS if k in tp})
     for k in LAYER_KEYS:
         out[f"layer.{k}"] = tp["layer"][k]
     return {k: np.asarray(v) for k, v in out.items()}
@@ -388,7 +389,7 @@ def unflat_trainable(flat: dict) -> dict:
     tp = {"fc": jnp.asarray(flat["fc"], jnp.float32), "fc_b": jnp.asarray(flat["fc_b"], jnp.float32),
           "out_norm": jnp.asarray(flat["out_norm"], jnp.float32),
           "layer": {k: jnp.asarray(flat[f"layer.{k}"], jnp.float32) for k in LAYER_KEYS}}
-    tp.update({k: jnp.asarray(flat[k], jnp.float32) for k in ("copy_w", "copy_b") if k in flat})
+    tp.update({k: jnp.asarray(flat[k], jnp.float32) for k in COPY_KEYS if k in flat})
     return tp
 
 
@@ -449,7 +450,7 @@ def load_drafter(path, target, dtype: str = "float32", name: str = "eagle", chec
     cfg = EagleConfig.for_target(target.config, c["sub_vocab"], c["intermediate_size"], c["num_heads"], c["num_kv_heads"],
                                  c.get("copy_ngram", 0))
     tp = unflat_trainable({k: np.asarray(v, np.float32) for k, v in tensors.items() if k != "sub_ids"})
-    if cfg.copy_ngram and not {"copy_w", "copy_b"} <= set(tp):
+    if cfg.copy_ngram and not set(COPY_KEYS) <= set(tp):
         raise CheckpointError(f"{path}: drafter.json sets copy_ngram = {cfg.copy_ngram} but the weights have no "
                               "copy_w/copy_b; the directory is incomplete or mixed")
     if dtype == "bfloat16":  # weights rounded to bf16, computed in float32 (rows are few: bf16 matmuls are slow here)
