@@ -38,13 +38,12 @@ def load_default_drafter(target, dtype: str = "float32"):
 
     Args:
       target: the loaded target (must be SmolLM2-135M-Instruct: same config, weights and tokenizer).
-      dtype: ``"float32"`` or ``"bfloat16"`` (weights rounded to bfloat16, computed in float32).
+      dtype: ``"float32"``, ``"bfloat16"`` (weights rounded to bfloat16, computed in float32)
+        or ``"int8"`` (:func:`specjax.drafters.eagle.quantize_params`).
 
     Raises:
       CheckpointError: the target is not the model the drafter was trained for.
     """
     from specjax.drafters import eagle
 
-    if dtype not in ("float32", "bfloat16"):
-        dtype = "float32"  # int8 targets: the drafter stays float32 (it is small)
     return eagle.load_drafter(shipped_drafter_path(), target, dtype=dtype, name="default")

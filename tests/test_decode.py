@@ -550,7 +550,17 @@ def eagle_copy_drafter(target):
     return eagle.EagleDrafter(cfg, {"train": tp, "frozen": eagle.frozen_params(target, sub)}, name="eagle-copy")
 
 
-@pytest.mark.parametrize("kind", ["model", "ngram", "eagle_copy"])
+def eagle_copy_int8_drafter(target):
+    """:func:`eagle_copy_drafter` in the int8 weight format (``eagle.quantize_params``)."""
+    import dataclasses
+
+    from specjax.drafters import eagle
+
+    d = eagle_copy_drafter(target)
+    return dataclasses.replace(d, params=eagle.quantize_params(d.params), name="eagle-copy-int8")
+
+
+@pytest.mark.parametrize("kind", ["model", "ngram", "eagle_copy", "eagle_copy_int8"])
 def test_sampled_distribution_is_the_targets(small_vocab, kind):
     """Chi-square (α = 1e-3 each, fixed keys) of the first 3 tokens of 4000 speculative rows
     (γ = 2, temperature 1; also top-k 3) against the exact autoregressive distribution; a
@@ -562,7 +572,8 @@ def test_sampled_distribution_is_the_targets(small_vocab, kind):
         return ReportingDrafter(d, params={"inner": d.params, "misreport": jnp.asarray(misreport)})
 
     drafter = {"model": lambda: reporting(False), "ngram": lambda: NgramDrafter(3),
-               "eagle_copy": lambda: eagle_copy_drafter(sv["target"])}[kind]()
+               "eagle_copy": lambda: eagle_copy_drafter(sv["target"]),
+               "eagle_copy_int8": lambda: eagle_copy_int8_drafter(sv["target"])}[kind]()
     dec = make_decoder(sv["target"], drafter, 2)
     prompts = [sv["prompt"]] * N_ROWS
     for top_k, seed in ((0, 0), (3, 1)):

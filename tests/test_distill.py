@@ -183,6 +183,14 @@ def test_shipped_drafter_default_model(default_model):
     sp = Decoder(default_model, dr, 2).generate([ids], max_new_tokens=24)
     assert sp.tokens == ar.tokens
     assert sp.stats[0]["accepted_tokens"] > 0
+    # the int8 weight format: still exact, still accepting
+    d8 = load_drafter("default", default_model, dtype="int8")
+    assert d8.params["frozen"]["head"].dtype == jnp.int8
+    s8 = Decoder(default_model, d8, 1).generate([ids], max_new_tokens=24)
+    assert s8.tokens == ar.tokens
+    assert s8.stats[0]["accepted_tokens"] > 0
+    with pytest.raises(ValueError, match="float32, bfloat16 or int8"):
+        shipped.load_default_drafter(default_model, dtype="float16")
 
 
 def jax_tree_scale_embed(params):

@@ -117,6 +117,39 @@ def test_copy_candidate_matches_training_lookup(max_n):
     assert (size > 0).any()
 
 
+def test_eagle_int8_format_and_head_orientation():
+    """The EAGLE drafter's int8 format (``quantize_params``): every matrix becomes int8 with a
+    per-output-channel scale, the forward and the head stay within 2% of float32, and the
+    float32 head's decode-step orientation (``head · fᵀ``, ≤ SMALL_ROWS rows) equals the
+    training one (``f · headᵀ``)."""
+    from specjax.drafters import eagle
+
+    target = tiny_model(3)
+    cfg = eagle.EagleConfig.for_target(target.config, 64, 48)
+    params = {"train": eagle.init_params(cfg, 5), "frozen": eagle.frozen_params(target, np.arange(0, V, 2))}
+    q = eagle.quantize_params(params)
+    assert q["train"]["fc"].dtype == jnp.int8 and q["frozen"]["head"].dtype == jnp.int8
+    assert all(q["train"]["layer"][k].dtype == jnp.int8 and k + "_scale" in q["train"]["layer"]
+               for k in eagle.LAYER_MATMULS)
+    assert params["train"]["fc"].dtype == jnp.float32  # the float32 parameters are not touched
+    d = cfg.hidden_size
+    feats = jax.random.normal(jax.random.PRNGKey(1), (2, 3, d))
+    toks = jnp.asarray([[1, 5, 9], [2, 4, 8]], jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(3, dtype=jnp.int32), (2, 3))
+    f32, _ = eagle.forward(cfg, params, feats, toks, pos, eagle.new_cache(cfg, 2, 8))
+    f8, _ = eagle.forward(cfg, q, feats, toks, pos, eagle.new_cache(cfg, 2, 8))
+    rel = lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+    assert rel(f8, f32) < 0.02
+    assert rel(eagle.sub_logits(q, f32), eagle.sub_logits(params, f32)) < 0.02
+    small = eagle.sub_logits(params, f32[:, 0])  # 2 rows: head · fᵀ
+    big = jnp.einsum("bd,sd->bs", f32[:, 0], params["frozen"]["head"])
+    np.testing.assert_allclose(np.asarray(small), np.asarray(big), rtol=1e-5, atol=1e-5)
+    rows = jnp.tile(f32.reshape(-1, d), (4, 1))  # 24 rows: the einsum path
+    assert rows.shape[0] > eagle.SMALL_ROWS
+    np.testing.assert_allclose(np.asarray(eagle.sub_logits(params, rows)[:2]), np.asarray(
+        eagle.sub_logits(params, rows[:2])), rtol=1e-5, atol=1e-5)
+
+
 def test_ngram_sizes_validated():
     with pytest.raises(ValueError, match="ngram"):
         NgramDrafter(max_ngram=2, min_ngram=3)

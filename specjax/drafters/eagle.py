@@ -197,29 +197,74 @@ def forward(cfg: EagleConfig, params: dict, feats, tokens, positions, cache: lla
     b, t = tokens.shape
     hd = l.head_dim
     e = jnp.take(fz["embed"], tokens, axis=0).astype(jnp.float32)
-    x = llama.dense(jnp.concatenate([feats.astype(jnp.float32), e], axis=-1), tp["fc"], tp["fc_b"])
+    x = llama.dense(jnp.concatenate([feats.astype(jnp.float32), e], axis=-1), tp["fc"], tp["fc_b"],
+                    tp.get("fc_scale"))
     inv_freq = jnp.asarray(l.rope_inv_freq())
+    lin = lambda a, name: llama.dense(a, lp[name], scale=lp.get(name + "_scale"))
     z = llama.rms_norm(x, lp["attn_norm"], l.rms_norm_eps)
-    q = llama.dense(z, lp["wq"]).reshape(b, t, l.num_heads, hd)
-    k = llama.dense(z, lp["wk"]).reshape(b, t, l.num_kv_heads, hd)
-    v = llama.dense(z, lp["wv"]).reshape(b, t, l.num_kv_heads, hd)
+    q = lin(z, "wq").reshape(b, t, l.num_heads, hd)
+    k = lin(z, "wk").reshape(b, t, l.num_kv_heads, hd)
+    v = lin(z, "wv").reshape(b, t, l.num_kv_heads, hd)
     q = llama.rope(q, positions, inv_freq)
     k = llama.rope(k, positions, inv_freq)
     starts = positions[:, 0]
     kc = llama._write(cache.k[0], k.transpose(0, 2, 1, 3), starts)
     vc = llama._write(cache.v[0], v.transpose(0, 2, 1, 3), starts)
     a = llama._attention(q.astype(kc.dtype), kc, vc, positions, l)
-    x = x + llama.dense(a, lp["wo"])
+    x = x + lin(a, "wo")
     z = llama.rms_norm(x, lp["mlp_norm"], l.rms_norm_eps)
-    x = x + llama.dense(jax.nn.silu(llama.dense(z, lp["w_gate"])) * llama.dense(z, lp["w_up"]), lp["w_down"])
+    x = x + lin(jax.nn.silu(lin(z, "w_gate")) * lin(z, "w_up"), "w_down")
     f = llama.rms_norm(x, tp["out_norm"], l.rms_norm_eps)
     return f, llama.KVCache(k=[kc], v=[vc], lengths=cache.lengths)
 
 
 def sub_logits(params: dict, f) -> jax.Array:
-    """Logits over the sub-vocabulary ``[..., |S|]``."""
-    head = params["frozen"]["head"]
-    return jnp.einsum("...d,sd->...s", f.astype(head.dtype), head, preferred_element_type=jnp.float32)
+    """Logits float32 ``[..., |S|]`` over the sub-vocabulary for features ``f [..., D]``.
+
+    The head is ``[|S|, D]`` (float32, or int8 with a per-row ``head_scale``, see
+    :func:`quantize_params`). For the few rows of a decode step the float32 product is
+    taken as ``head · fᵀ``: on XLA CPU that matrix-vector order reads the head about twice
+    as fast as ``f · headᵀ`` (0.6 vs 1.1 ms for 8192 × 576).
+    """
+    fz = params["frozen"]
+    head = fz["head"]
+    if head.dtype == jnp.int8:
+        return llama.matmul(f, head, fz["head_scale"], transposed=True)
+    lead = f.shape[:-1]
+    f2 = f.reshape(-1, f.shape[-1]).astype(head.dtype)
+    if f2.shape[0] <= SMALL_ROWS:
+        y = jax.lax.dot_general(head, f2, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32).T
+    else:
+        y = jnp.einsum("md,sd->ms", f2, head, preferred_element_type=jnp.float32)
+    return y.reshape(*lead, head.shape[0])
+
+
+SMALL_ROWS = 16  # decode-step row counts (batch × 1) up to which sub_logits uses head · fᵀ
+INT8_TRAIN = ("fc",)  # trainable matrices quantized by quantize_params (+ every LAYER_MATMULS)
+LAYER_MATMULS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+def quantize_params(params: dict) -> dict:
+    """The ``int8`` weight format of a drafter's ``{"train", "frozen"}`` parameters.
+
+    ``fc``, the block's seven matrices (stored ``[in, out]``) and the sub-vocabulary head
+    (``[|S|, D]``) become symmetric per-output-channel int8 with a float32 ``<name>_scale``
+    (:func:`specjax.models.llama.quantize_int8`); activations are quantized per row on the
+    fly (:func:`specjax.models.llama.matmul`). Norms, biases, the copy term and the
+    embedding used for input lookups stay float32. On the reference CPU this cuts a
+    γ = 1 draft call from ≈ 3.5 to ≈ 1.5 ms. The drafter stays exact (q is still exactly
+    what is sampled); only its guesses change slightly (see the model card for α).
+    """
+    tp = dict(params["train"])
+    layer = dict(tp["layer"])
+    for name in INT8_TRAIN:
+        tp[name], tp[name + "_scale"] = llama.quantize_int8(tp[name], 0)
+    for name in LAYER_MATMULS:
+        layer[name], layer[name + "_scale"] = llama.quantize_int8(layer[name], 0)
+    tp["layer"] = layer
+    fz = dict(params["frozen"])
+    fz["head"], fz["head_scale"] = llama.quantize_int8(fz["head"], 1)
+    return {"train": tp, "frozen": fz}
 
 
 def copy_logit(params: dict, f, cand, n) -> jax.Array:
@@ -420,12 +465,15 @@ def load_drafter(path, target, dtype: str = "float32", name: str = "eagle", chec
     """Load an EAGLE drafter saved by :func:`save_drafter` for ``target``.
 
     ``path`` may be a directory path or an ``importlib.resources`` Traversable.
+    ``dtype``: weight format: ``float32``; ``bfloat16`` (weights rounded to bfloat16,
+    computed in float32); ``int8`` (:func:`quantize_params`).
     ``min_confidence``: see :class:`EagleDrafter`; ``None`` takes ``drafter.json``'s
     ``min_confidence`` (0 when absent).
 
     Raises:
       CheckpointError: missing files, or the drafter was trained for another target
         (fingerprint mismatch: config, weights or tokenizer differ).
+      ValueError: an unknown ``dtype`` or a ``min_confidence`` outside [0, 1).
     """
     from safetensors.numpy import load as st_load
 
@@ -453,11 +501,16 @@ def load_drafter(path, target, dtype: str = "float32", name: str = "eagle", chec
     if cfg.copy_ngram and not set(COPY_KEYS) <= set(tp):
         raise CheckpointError(f"{path}: drafter.json sets copy_ngram = {cfg.copy_ngram} but the weights have no "
                               "copy_w/copy_b; the directory is incomplete or mixed")
+    if dtype not in ("float32", "bfloat16", "int8"):
+        raise ValueError(f"drafter dtype must be float32, bfloat16 or int8, got {dtype!r}")
     if dtype == "bfloat16":  # weights rounded to bf16, computed in float32 (rows are few: bf16 matmuls are slow here)
         tp = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16).astype(jnp.float32), tp)
     fz = frozen_params(target, tensors["sub_ids"])
+    params = {"train": tp, "frozen": fz}
+    if dtype == "int8":
+        params = quantize_params(params)
     if min_confidence is None:
         min_confidence = float(meta.get("min_confidence", 0.0))
     if not 0.0 <= min_confidence < 1.0:
         raise ValueError(f"min_confidence must be in [0, 1), got {min_confidence}")
-    return EagleDrafter(cfg, {"train": tp, "frozen": fz}, name=name, min_confidence=float(min_confidence))
+    return EagleDrafter(cfg, params, name=name, min_confidence=float(min_confidence))
