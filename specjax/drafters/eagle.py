@@ -240,7 +240,7 @@ def sub_logits(params: dict, f) -> jax.Array:
 
 
 SMALL_ROWS = 16  # decode-step row counts (batch × 1) up to which sub_logits uses head · fᵀ
-LAYER_MATMULS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # the block's matrices
+LAYER_MATMULS = tuple(k for k in LAYER_KEYS if k in llama.MATMUL_WEIGHTS)  # the block's matrices
 
 
 def quantize_params(params: dict) -> dict:
@@ -357,7 +357,10 @@ class EagleDrafter:
             else:
                 logits = full_logits(params, feat, vocab_size)
             probs = context.sampling.process(logits)
-            conf = jnp.exp(jnp.max(logits, axis=-1) - jax.nn.logsumexp(logits, axis=-1))
+            if self.min_confidence > 0:  # static: no extra vocabulary-wide pass when unused
+                conf = jnp.exp(jnp.max(logits, axis=-1) - jax.nn.logsumexp(logits, axis=-1))
+            else:
+                conf = jnp.ones(logits.shape[:-1], jnp.float32)
             return jax.vmap(sample)(key_col, probs), (probs, conf)
 
         tbuf = context.tokens
@@ -479,6 +482,9 @@ def load_drafter(path, target, dtype: str = "float32", name: str = "eagle", chec
 
     from specjax.config import CheckpointError
 
+    if dtype not in ("float32", "bfloat16", "int8"):
+        raise ValueError(f"drafter dtype must be float32, bfloat16 or int8, got {dtype!r}")
+
     import pathlib
 
     p = pathlib.Path(path) if isinstance(path, str) else path
@@ -501,8 +507,6 @@ def load_drafter(path, target, dtype: str = "float32", name: str = "eagle", chec
     if cfg.copy_ngram and not set(COPY_KEYS) <= set(tp):
         raise CheckpointError(f"{path}: drafter.json sets copy_ngram = {cfg.copy_ngram} but the weights have no "
                               "copy_w/copy_b; the directory is incomplete or mixed")
-    if dtype not in ("float32", "bfloat16", "int8"):
-        raise ValueError(f"drafter dtype must be float32, bfloat16 or int8, got {dtype!r}")
     if dtype == "bfloat16":  # weights rounded to bf16, computed in float32 (rows are few: bf16 matmuls are slow here)
         tp = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16).astype(jnp.float32), tp)
     fz = frozen_params(target, tensors["sub_ids"])
