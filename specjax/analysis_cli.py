@@ -305,7 +305,7 @@ def run_models(args) -> dict:
     target, drafter = load_target_and_drafter(s)
     log = (lambda m: print(f"specjax analyze: {m}", file=sys.stderr, flush=True))
     rep = measure.analyze_pair(
-        target, drafter, prompts, gamma_max=gmax, gamma=gamma, chat=s["chat"],
+        target, drafter, prompts, gamma_max=gmax, gamma=gamma, chat=bool(s["chat"]),
         max_new_tokens=s["max_new_tokens"], temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"],
         seed=args.seed, batch_size=args.batch_size, ignore_eos=args.ignore_eos, repeats=args.repeats,
         timing_repeats=args.timing_repeats, log=log,

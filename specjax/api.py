@@ -112,6 +112,65 @@ def encode_prompts(target: Model, texts: Sequence[str], chat: bool) -> list[list
     return ids
 
 
+def stop_cut(tokenizer, ids: Sequence[int], stop: Sequence[str]) -> int | None:
+    """The number of tokens to keep when a stop string occurs in ``decode(ids)``: the shortest
+    prefix of ``ids`` whose text contains one (the token that completes the stop string is
+    kept; the text is cut before the string by :class:`TextStream`), or ``None``."""
+    if not stop or not any(s in tokenizer.decode(ids) for s in stop):
+        return None
+    lo, hi = 1, len(ids)  # decode(ids[:hi]) contains a stop string; find the smallest such prefix
+    while lo < hi:
+        mid = (lo + hi) // 2
+        text = tokenizer.decode(ids[:mid])
+        if any(s in text for s in stop):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+class TextStream:
+    """Incremental detokenization of one row: :meth:`feed` new token ids, get the text that is
+    safe to show. Never returns half of a multi-byte UTF-8 character (a trailing U+FFFD is
+    held back until the next token completes it), holds back a tail that could be the start
+    of a stop string, and cuts the text before the first stop string."""
+
+    def __init__(self, tokenizer, stop: Sequence[str] = ()):
+        self.tokenizer = tokenizer
+        self.stop = tuple(stop)
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.ids: list[int] = []
+        self.shown = 0  # characters returned so far
+
+    def text(self, final: bool = False) -> str:
+        """The text of the ids fed so far, cut before a stop string (``final``: nothing held back)."""
+        text = self.tokenizer.decode(self.ids)
+        cuts = [text.find(s) for s in self.stop if s in text]
+        if cuts:
+            return text[: min(cuts)]
+        if final:
+            return text
+        safe = len(text) - self.hold
+        while safe > 0 and text[safe - 1] == "\ufffd":
+            safe -= 1
+        return text[: max(safe, 0)]
+
+    def feed(self, ids: Sequence[int], final: bool = False) -> str:
+        """Add ``ids``; return the newly showable text (all the rest when ``final``)."""
+        self.ids.extend(int(i) for i in ids)
+        text = self.text(final)
+        piece = text[self.shown:]
+        self.shown = max(self.shown, len(text))
+        return piece
+
+
+def _logprob_records(tokenizer, rows):
+    """JSON-ready log-probabilities: per token ``{"token", "id", "logprob", "top_logprobs"}``."""
+    piece = lambda i: tokenizer.decode([i], skip_special_tokens=False)  # noqa: E731
+    return [{"token": piece(r["id"]), "id": r["id"], "logprob": r["logprob"],
+             "top_logprobs": [{"token": piece(j), "id": j, "logprob": v} for j, v in r["top"]]} for r in rows]
+
+
 def generate_text(
     target: Model,
     prompts: Sequence[str],
@@ -127,30 +186,78 @@ def generate_text(
     batch_size: int | None = None,
     ignore_eos: bool = False,
     decoder: Decoder | None = None,
+    stop: Sequence[str] | None = None,
+    stop_token_ids: Sequence[int] | None = None,
+    logprobs: int | None = None,
+    on_text=None,
+    progress=None,
 ) -> list[dict]:
     """Generate text for each prompt. Returns one dict per prompt:
-    ``{"text", "tokens", "stats"}`` where ``stats`` has ``new_tokens``, ``prefill_s``,
-    ``decode_s``, ``compile_s`` (seconds, for the prompt's batch), ``tokens_per_s``
-    (the prompt's new tokens ÷ its batch's decode seconds) and the speculative counters
-    of :class:`specjax.decode.GenerationResult`.
+    ``{"text", "tokens", "stats"}`` (and ``"logprobs"`` when asked) where ``stats`` has
+    ``new_tokens``, ``prefill_s``, ``decode_s``, ``compile_s`` (seconds, for the prompt's
+    batch), ``tokens_per_s`` (the prompt's new tokens ÷ its batch's decode seconds) and the
+    speculative counters of :class:`specjax.decode.GenerationResult`.
 
-    Prompt i uses request key ``fold_in(PRNGKey(seed), i)``, whatever its batch.
+    Args:
+      stop: strings that end a row when its decoded text contains one: the text is cut
+        before it, ``tokens`` end with the token that completed it, ``finish_reason`` is
+        ``"stop"``, and nothing after it is emitted or counted (exact with speculative
+        decoding: a stop string completed inside an accepted block ends the row there).
+      stop_token_ids: ids that end a row (``finish_reason`` ``"stop"``): one list for all
+        prompts or one list per prompt.
+      logprobs: ``None`` (off) or N ≥ 0: per emitted token its log-probability and the top N
+        alternatives (:class:`specjax.decode.Logprobs`), as ``"logprobs"``: a list of
+        ``{"token", "id", "logprob", "top_logprobs": [{"token", "id", "logprob"}]}``.
+      on_text: ``on_text(i, piece)`` is called with prompt i's text as it is generated
+        (incremental detokenization per chunk of rounds; the pieces add up to ``text``).
+      progress: a :class:`specjax.progress.Progress` for phase lines (compiles), or ``None``.
+
+    Prompt i uses request key ``fold_in(seed_key(seed), i)``, whatever its batch.
+
+    Raises:
+      ValueError: an empty prompt or stop string, bad sampling settings or stop ids.
     """
+    stop = [] if stop is None else list(stop)
+    if any(not isinstance(s, str) or not s for s in stop):
+        raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")
     ids = encode_prompts(target, prompts, chat)
     bs = batch_size or len(ids)
     if bs < 1:
         raise ValueError(f"batch_size must be >= 1, got {bs}")
-    dec = decoder or Decoder(target, drafter, gamma)
+    dec = decoder or Decoder(target, drafter, gamma, progress=progress)
+    tok = target.tokenizer
+    per_row_stops = stop_token_ids is not None and len(stop_token_ids) > 0 and all(
+        isinstance(x, (list, tuple)) for x in stop_token_ids)
     results = []
     for start in range(0, len(ids), bs):
         chunk = ids[start:start + bs]
         sp = SamplingParams.create(len(chunk), temperature, top_k, top_p)
+        streams = [TextStream(tok, stop) for _ in chunk]
+        stop_fn = (lambda i, toks: stop_cut(tok, toks, stop)) if stop else None
+        on_chunk = None
+        if on_text is not None:
+            def on_chunk(newly, start=start, streams=streams):
+                for j, new in enumerate(newly):
+                    piece = streams[j].feed(new)
+                    if piece:
+                        on_text(start + j, piece)
         r = dec.generate(chunk, max_new_tokens=max_new_tokens, sampling=sp, seed=seed, seed_offset=start,
-                         eos_ids=[] if ignore_eos else None)
-        for toks, st in zip(r.tokens, r.stats):
+                         eos_ids=[] if ignore_eos else None, stop_fn=stop_fn, on_chunk=on_chunk,
+                         stop_token_ids=stop_token_ids[start:start + bs] if per_row_stops else stop_token_ids,
+                         logprobs=logprobs)
+        for j, (toks, st) in enumerate(zip(r.tokens, r.stats)):
             st = dict(st, prefill_s=r.prefill_s, decode_s=r.decode_s, compile_s=r.compile_s,
                       tokens_per_s=len(toks) / r.decode_s if r.decode_s > 0 else 0.0, batch_size=len(chunk))
-            results.append({"text": target.tokenizer.decode(toks), "tokens": toks, "stats": st})
+            text = TextStream(tok, stop)
+            text.feed(toks)
+            out = {"text": text.text(final=True), "tokens": toks, "stats": st}
+            if on_text is not None:
+                rest = streams[j].feed([], final=True)
+                if rest:
+                    on_text(start + j, rest)
+            if r.logprobs is not None:
+                out["logprobs"] = _logprob_records(tok, r.logprobs[j])
+            results.append(out)
     return results
 
 

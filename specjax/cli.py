@@ -50,7 +50,9 @@ def add_model_args(p: argparse.ArgumentParser, multi_draft: bool = False) -> Non
     p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0 = off)")
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1] (1 = off)")
     p.add_argument("--seed", type=int, default=0, help="request seed (prompt i uses fold_in(seed, i))")
-    p.add_argument("--chat", action="store_true", default=None, help="wrap prompts in the model's chat template")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="wrap prompts in the model's chat template (generate: on when the model has one; "
+                        "--no-chat sends raw text)")
     p.add_argument("--batch-size", type=int, default=1, help="prompts decoded together")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS (fixed-length benchmarks)")
     p.add_argument("--mesh", default=None, help="device mesh, e.g. data=2,model=4 (default: one device)")
@@ -76,7 +78,7 @@ def resolve(args) -> dict:
         "temperature": pick("temperature", 0.0),
         "top_k": pick("top_k", 0),
         "top_p": pick("top_p", 1.0),
-        "chat": bool(pick("chat", False)),
+        "chat": pick("chat", None),  # None: the command's default (generate: the model's template if any)
     }
     if s["draft_dtype"] is None:
         s["draft_dtype"] = s["dtype"]
@@ -136,41 +138,96 @@ def load_target_and_drafter(s: dict, draft_spec=None, mesh=None):
     return target, drafter
 
 
+def read_stdin_prompt() -> str:
+    """The prompt text piped on standard input (UTF-8)."""
+    data = sys.stdin.buffer.read()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"standard input is not valid UTF-8 (byte {e.start}); pipe UTF-8 text") from None
+
+
+def generate_prompts(args) -> list[dict]:
+    """``generate``'s prompts: PROMPT (``-`` = standard input), ``--prompt``, ``--prompts FILE``, or
+    piped standard input when none is given."""
+    if args.prompt_pos == "-" or (args.prompt_pos is None and not args.prompt and not args.prompts
+                                  and not sys.stdin.isatty()):
+        args.prompt_pos = read_stdin_prompt()
+    return collect_prompts(args)
+
+
 def cmd_generate(args) -> int:
     from specjax.api import generate_text
+    from specjax.progress import Progress, phase
+
+    from specjax.decode import seed_key
 
     s = resolve(args)
-    prompts = collect_prompts(args)
+    prompts = generate_prompts(args)
     gamma = parse_gamma(s["gamma"])
+    try:
+        seed_key(args.seed)
+    except ValueError as e:
+        raise UsageError(f"--seed: {e}") from None
+    if args.logprobs is not None and args.logprobs < 0:
+        raise UsageError(f"--logprobs must be an integer >= 0 (top alternatives per token), got {args.logprobs}")
+    if any(not x for x in args.stop or []):
+        raise UsageError("--stop needs a non-empty string")
     mesh = None
     if args.mesh:
         from specjax import sharding
 
         mesh = sharding.MeshSpec.parse(args.mesh)
-    target, drafter = load_target_and_drafter(s, mesh=mesh)
+    progress = Progress()
+    with phase(progress, f"loading {s['model'] or 'the default model (SmolLM2-135M-Instruct)'}"
+                         + (f" and drafter {s['draft']}" if s["draft"] not in (None, "none") else "")
+                         + f" ({s['dtype']})"):
+        target, drafter = load_target_and_drafter(s, mesh=mesh)
     if gamma == "auto":
         if drafter is None:
             raise UsageError("--gamma auto needs a drafter (--draft)")
         from specjax import analysis_cli
 
-        gamma = analysis_cli.recommend_gamma(target, drafter, [p["prompt"] for p in prompts], chat=s["chat"])
-        print(f"specjax: --gamma auto chose γ = {gamma}", file=sys.stderr)
+        with phase(progress, "measuring α, c and v(γ) for --gamma auto"):
+            gamma = analysis_cli.recommend_gamma(target, drafter, [p["prompt"] for p in prompts], chat=bool(s["chat"]))
+        progress.note(f"--gamma auto chose γ = {gamma}")
+    chat = s["chat"]
+    if chat is None:
+        chat = target.tokenizer is not None and bool(target.tokenizer.chat_template)
+    stream = not args.json and not args.no_stream and args.batch_size == 1
+    method = f"speculative, drafter {drafter.name}, γ = {gamma}" if drafter is not None else "autoregressive"
+    progress.note(f"generating ({method}; {'chat template' if chat else 'raw text, no chat template'}"
+                  f"{'' if s['chat'] is not None else ' (the default for this model; --chat/--no-chat to choose)'}"
+                  f"{'; streaming' if stream else ''})")
+
+    def on_text(i, piece):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
     outs = generate_text(
         target, [p["prompt"] for p in prompts], drafter=drafter, gamma=gamma,
         max_new_tokens=s["max_new_tokens"], temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"],
-        seed=args.seed, chat=s["chat"], batch_size=args.batch_size, ignore_eos=args.ignore_eos,
+        seed=args.seed, chat=chat, batch_size=args.batch_size, ignore_eos=args.ignore_eos,
+        stop=args.stop, logprobs=args.logprobs, on_text=on_text if stream else None, progress=progress,
     )
     for p, o in zip(prompts, outs):
         if args.json:
             rec = {"question_id": p["question_id"], "text": o["text"], "tokens": o["tokens"], "stats": o["stats"]}
+            if "logprobs" in o:
+                rec["logprobs"] = o["logprobs"]
             print(json.dumps(rec), flush=True)
-        else:
-            print(o["text"])
-            st = o["stats"]
-            extra = ""
-            if drafter is not None:
-                extra = f", {st['mean_accepted_tokens']:.2f} tokens/target call, acceptance {st['acceptance_rate']:.2f}"
-            print(f"[{st['new_tokens']} tokens, {st['tokens_per_s']:.1f} tokens/s{extra}]", file=sys.stderr)
+            continue
+        print("" if stream else o["text"], flush=True)
+        if "logprobs" in o:
+            for r in o["logprobs"]:
+                alts = "  ".join(f"{a['token']!r} {a['logprob']:.3f}" for a in r["top_logprobs"])
+                print(f"{r['token']!r}\t{r['logprob']:.4f}" + (f"\t{alts}" if alts else ""))
+        st = o["stats"]
+        extra = ""
+        if drafter is not None:
+            extra = f", {st['mean_accepted_tokens']:.2f} tokens/target call, acceptance {st['acceptance_rate']:.2f}"
+        print(f"[{st['new_tokens']} tokens, {st['tokens_per_s']:.1f} tokens/s{extra}, "
+              f"finish: {st['finish_reason']}]", file=sys.stderr)
     return 0
 
 
@@ -178,11 +235,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specjax", description="Exact speculative decoding in JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text (autoregressive or speculative)")
-    g.add_argument("prompt_pos", nargs="?", metavar="PROMPT", help="prompt text")
+    g.add_argument("prompt_pos", nargs="?", metavar="PROMPT",
+                   help="prompt text; '-' (or no prompt with piped input) reads it from standard input")
     g.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     g.add_argument("--prompts", metavar="FILE", help="JSONL: 'prompt' or Spec-Bench 'turns' per line")
     add_model_args(g)
-    g.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
+    g.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout (printed at the end)")
+    g.add_argument("--no-stream", action="store_true",
+                   help="print each text at the end instead of streaming it as it is generated")
+    g.add_argument("--stop", action="append", metavar="STR",
+                   help="stop when the text contains STR (cut before it; repeatable); finish_reason 'stop'")
+    g.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="log-probability of every emitted token and its top-N alternatives (JSON field 'logprobs')")
     g.set_defaults(func=cmd_generate)
     for mod in SUBCOMMAND_MODULES:
         try:

@@ -29,6 +29,7 @@ import numpy as np
 from specjax.config import ModelConfig
 from specjax.drafters.base import DraftContext
 from specjax.models import llama
+from specjax.progress import phase
 from specjax.sampling import SamplingParams, sample
 from specjax.speculative import verify
 
@@ -84,6 +85,12 @@ class DecodeState:
     target_hidden: ``[B, γ+1, D]`` hidden states of the last target call, or None.
     last_accepted: ``[B]`` int32 draft tokens accepted in the last round (n).
     stats: :class:`Stats`.
+    emit_round: ``[B, L]`` int32, per committed slot, the round that committed it.
+    emit_info: ``[B, L]`` int32, per committed slot: bit 0 = an accepted draft token;
+      bit 1 = its round rejected a draft; bits 2.. = draft tokens its round offered (all
+      three counted only up to the row's first EOS). :func:`row_stats` derives every
+      counter of a row from these two, also for a row cut short on the host (stop strings).
+    logprobs: :class:`Logprobs` buffers, or ``None`` when not requested.
     """
 
     tokens: jax.Array
@@ -100,6 +107,36 @@ class DecodeState:
     target_hidden: Any
     last_accepted: jax.Array
     stats: Stats
+    emit_round: jax.Array
+    emit_info: jax.Array
+    logprobs: Any = None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Logprobs:
+    """Log-probabilities of committed tokens (a pytree; slot-aligned with ``tokens``).
+
+    token: ``[B, L]`` float32, ``log p(x_t)`` of the committed token in each slot.
+    top_ids: ``[B, L, N]`` int32, the N most likely ids at that position (descending).
+    top_logprobs: ``[B, L, N]`` float32, their log-probabilities.
+
+    ``p`` is the target's processed distribution (temperature, top-k, top-p: what the token
+    was sampled from, exactly as in :func:`specjax.sampling.process_logits`; filtered ids
+    have ``-inf``); for a greedy row (temperature 0), whose processed distribution is
+    one-hot, the model's raw distribution ``log_softmax(logits)`` instead. In a speculative
+    round every emitted position's ``p`` comes from the one verify call, so autoregressive
+    and speculative decoding report the same values (up to float32 kernel rounding).
+    """
+
+    token: jax.Array
+    top_ids: jax.Array
+    top_logprobs: jax.Array
+
+    @classmethod
+    def zeros(cls, batch: int, length: int, top: int) -> "Logprobs":
+        return cls(jnp.zeros((batch, length), jnp.float32), jnp.zeros((batch, length, top), jnp.int32),
+                   jnp.zeros((batch, length, top), jnp.float32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,9 +149,11 @@ class Program:
     gamma: int
     buffer_len: int
     cache_dtype: str = "float32"
+    logprobs: int = -1  # top alternatives recorded per token; -1 = no log-probabilities
 
     @property
     def block(self) -> int:
+        """Tokens one round may commit: γ + 1 with a drafter, else 1."""
         return self.gamma + 1 if self.drafter is not None else 1
 
 
@@ -148,6 +187,9 @@ def _start(prog: Program, tparams, dparams, prompt, prompt_lengths, max_new, eos
         target_hidden=hidden,
         last_accepted=jnp.zeros((b,), jnp.int32),
         stats=Stats.zeros(b, prog.gamma if prog.drafter is not None else 0),
+        emit_round=jnp.zeros((b, prog.buffer_len), jnp.int32),
+        emit_info=jnp.zeros((b, prog.buffer_len), jnp.int32),
+        logprobs=Logprobs.zeros(b, prog.buffer_len, prog.logprobs) if prog.logprobs >= 0 else None,
     )
 
 
@@ -156,11 +198,32 @@ def _target_step(prog, tparams, st: DecodeState, inputs, with_hidden):
     t = inputs.shape[1]
     pos = (st.lengths - 1)[:, None] + jnp.arange(t, dtype=jnp.int32)
     out = llama.apply(prog.graphdef, tparams, inputs, pos, st.target_cache, prog.cfg, return_hidden=with_hidden)
-    return st.sampling.process(out.logits), out.cache, out.hidden
+    return st.sampling.process(out.logits), out.logits, out.cache, out.hidden
+
+
+def _emitted_logprobs(prog: Program, sampling: SamplingParams, p, logits, chunk, width: int):
+    """Log-probabilities of ``chunk [B, T]`` under ``p [B, T, V]`` (or ``log_softmax(logits)``
+    for greedy rows) and the top ``prog.logprobs`` alternatives, padded to ``width`` positions
+    (see :class:`Logprobs`). Returns ``(token [B, W], top_ids [B, W, N], top_logprobs [B, W, N])``."""
+    greedy = (sampling.temperature <= 0.0)[:, None, None]
+    lp = jnp.where(greedy, jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), jnp.log(p))
+    tok = jnp.take_along_axis(lp, chunk[..., None], axis=-1)[..., 0]
+    if prog.logprobs > 0:
+        top_lp, top_ids = jax.lax.top_k(lp, prog.logprobs)
+    else:
+        top_lp = jnp.zeros(lp.shape[:2] + (0,), jnp.float32)
+        top_ids = jnp.zeros(lp.shape[:2] + (0,), jnp.int32)
+    pad = width - chunk.shape[1]
+    if pad:
+        tok = jnp.pad(tok, ((0, 0), (0, pad)))
+        top_ids = jnp.pad(top_ids, ((0, 0), (0, pad), (0, 0)))
+        top_lp = jnp.pad(top_lp, ((0, 0), (0, pad), (0, 0)))
+    return tok, top_ids.astype(jnp.int32), top_lp
 
 
 def _commit(st: DecodeState, chunk, count):
-    """Append ``chunk[b, :count[b]]`` per row, cut after an EOS, update done/stats fields."""
+    """Append ``chunk[b, :count[b]]`` per row, cut after an EOS. Returns ``(tokens, lengths,
+    new_tokens, done, count)`` with ``count [B]`` the tokens each row actually committed."""
     active = ~st.done
     width = chunk.shape[1]
     in_count = jnp.arange(width)[None, :] < count[:, None]
@@ -172,33 +235,53 @@ def _commit(st: DecodeState, chunk, count):
     lengths = st.lengths + count
     new = st.stats.new_tokens + count
     done = st.done | (active & has_eos) | (new >= st.max_new)
-    return tokens, lengths, new, done
+    return tokens, lengths, new, done, count
+
+
+def _write_rows(buf, values, starts):
+    """``buf[b, starts[b]:starts[b]+W] = values[b]`` per row (``buf [B, L, ...]``)."""
+    zeros = (0,) * (buf.ndim - 2)
+    return jax.vmap(lambda row, v, s: jax.lax.dynamic_update_slice(row, v, (s, *zeros)))(buf, values, starts)
 
 
 def _round(prog: Program, tparams, dparams, st: DecodeState) -> DecodeState:
     """One round for every row: a speculative round (drafter → one target call →
-    acceptance → commit), or a plain one-token step when nothing can be accepted."""
+    acceptance → commit), or a plain one-token step when nothing can be accepted.
+
+    Counters count only what is committed: when an EOS lands on an accepted draft token,
+    the drafts after it are neither accepted, checked nor offered (``accepted ≤ new``)."""
     b = st.lengths.shape[0]
     g = prog.gamma
+    width = prog.block
     active = ~st.done
     rkeys = jax.vmap(lambda k: jax.random.split(jax.random.fold_in(k, st.round), g + 2))(st.keys)  # [B, γ+2, 2]
     res_keys = rkeys[:, g + 1]
     last = jnp.take_along_axis(st.tokens, (st.lengths - 1)[:, None], axis=1)  # [B, 1]
     remaining = st.max_new - st.stats.new_tokens
     vocab = prog.cfg.vocab_size
+    zeros = jnp.zeros((b,), jnp.int32)
+
+    def chunk_of(drafts, n, nxt):  # [B, W]: drafts x_1..x_n, then the residual/bonus token at n
+        chunk = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
+        return jnp.where(jnp.arange(width)[None, :] == n[:, None], nxt[:, None], chunk)
+
+    def logprobs_of(p, logits, chunk):
+        if prog.logprobs < 0:
+            return None
+        t = p.shape[1]
+        return _emitted_logprobs(prog, st.sampling, p, logits, chunk[:, :t], width)
 
     def plain(st, dstate):
-        p, cache, hidden = _target_step(prog, tparams, st, last, prog.drafter is not None)
+        p, logits, cache, hidden = _target_step(prog, tparams, st, last, prog.drafter is not None)
         nxt = jax.vmap(sample)(res_keys, p[:, 0])
-        zeros = jnp.zeros((b,), jnp.int32)
         hid = None
         if prog.drafter is not None:  # the one hidden state sits at index 0 (= n) of the block
             hid = jnp.zeros_like(st.target_hidden).at[:, :1].set(hidden)
-        return cache, zeros, nxt, zeros, dstate, hid
+        chunk = chunk_of(jnp.zeros((b, width - 1), jnp.int32), zeros, nxt)
+        return cache, zeros, chunk, zeros, dstate, hid, logprobs_of(p, logits, chunk)
 
     if prog.drafter is None:
-        cache, n, nxt, allowed, dstate, hidden = plain(st, st.drafter_state)
-        drafted = jnp.zeros((b,), bool)
+        cache, n, chunk, allowed, dstate, hidden, lps = plain(st, st.drafter_state)
     else:
         ctx = DraftContext(st.tokens, st.lengths, st.sampling, st.target_hidden, st.last_accepted)
         prop = prog.drafter.propose(dparams, st.drafter_state, ctx, rkeys[:, :g], g, vocab)
@@ -208,43 +291,50 @@ def _round(prog: Program, tparams, dparams, st: DecodeState) -> DecodeState:
 
         def spec(st, dstate):
             inputs = jnp.concatenate([last, prop.tokens], axis=1)
-            p, cache, hidden = _target_step(prog, tparams, st, inputs, True)
+            p, logits, cache, hidden = _target_step(prog, tparams, st, inputs, True)
             n, nxt, _ = verify(prop.tokens, prop.probs, p, u, res_keys, allowed)
-            return cache, n, nxt, allowed, dstate, hidden
+            chunk = chunk_of(prop.tokens, n, nxt)
+            return cache, n, chunk, allowed, dstate, hidden, logprobs_of(p, logits, chunk)
 
         def no_match(st, dstate):
-            cache, n, nxt, _, dstate, hid = plain(st, dstate)
-            return cache, n, nxt, jnp.zeros_like(allowed), dstate, hid
+            cache, n, chunk, _, dstate, hid, lps = plain(st, dstate)
+            return cache, n, chunk, jnp.zeros_like(allowed), dstate, hid, lps
 
         # When no row can accept anything, a γ+1-token verify call would be wasted.
-        cache, n, nxt, allowed, dstate, hidden = jax.lax.cond(
+        cache, n, chunk, allowed, dstate, hidden, lps = jax.lax.cond(
             jnp.any(allowed > 0), spec, no_match, st, prop.state
         )
-        drafted = active
+    tokens, lengths, new, done, count = _commit(st, chunk, n + 1)
 
-    chunk = jnp.concatenate([jnp.zeros((b, g), jnp.int32) if prog.drafter is None else prop.tokens,
-                             jnp.zeros((b, 1), jnp.int32)], axis=1)
-    if prog.drafter is None:
-        chunk = chunk[:, :1]
-    chunk = jnp.where(jnp.arange(chunk.shape[1])[None, :] == n[:, None], nxt[:, None], chunk)
-    tokens, lengths, new, done = _commit(st, chunk, n + 1)
-
+    # Count only committed tokens: an EOS on an accepted draft (count <= n) ends the round there.
     a = active.astype(jnp.int32)
-    rejected = (n < allowed).astype(jnp.int32)
+    cut = count <= n
+    accepted = jnp.where(cut, count, n) * a
+    rejected = ((n < allowed) & ~cut).astype(jnp.int32) * a
+    drafted = jnp.where(cut, count, allowed) * a
     s = st.stats
     stats = Stats(
         target_calls=s.target_calls + a,
-        draft_calls=s.draft_calls + (drafted & active).astype(jnp.int32),
-        drafted_tokens=s.drafted_tokens + a * allowed,
-        accepted_tokens=s.accepted_tokens + a * n,
-        checked_tokens=s.checked_tokens + a * (n + rejected),
+        draft_calls=s.draft_calls + (a if prog.drafter is not None else 0),
+        drafted_tokens=s.drafted_tokens + drafted,
+        accepted_tokens=s.accepted_tokens + accepted,
+        checked_tokens=s.checked_tokens + accepted + rejected,
         new_tokens=new,
-        accept_hist=s.accept_hist + a[:, None] * jax.nn.one_hot(n, s.accept_hist.shape[1], dtype=jnp.int32),
+        accept_hist=s.accept_hist + a[:, None] * jax.nn.one_hot(accepted, s.accept_hist.shape[1], dtype=jnp.int32),
     )
+    info = ((jnp.arange(width)[None, :] < accepted[:, None]).astype(jnp.int32)
+            + 2 * rejected[:, None] + 4 * drafted[:, None])
+    emit_info = _write_rows(st.emit_info, info, st.lengths)
+    emit_round = _write_rows(st.emit_round, jnp.broadcast_to(st.round, (b, width)).astype(jnp.int32), st.lengths)
+    logprobs = st.logprobs
+    if lps is not None:
+        logprobs = Logprobs(*(_write_rows(buf, v, st.lengths) for buf, v in
+                              zip((logprobs.token, logprobs.top_ids, logprobs.top_logprobs), lps)))
     cache = dataclasses.replace(cache, lengths=lengths - 1)
     return dataclasses.replace(
         st, tokens=tokens, lengths=lengths, done=done, round=st.round + 1, target_cache=cache,
         drafter_state=dstate, target_hidden=hidden, last_accepted=n, stats=stats,
+        emit_round=emit_round, emit_info=emit_info, logprobs=logprobs,
     )
 
 
@@ -282,14 +372,18 @@ _run_jit = jax.jit(_run, static_argnums=0, donate_argnums=3)
 class GenerationResult:
     """Output of :func:`generate` for a batch.
 
-    tokens: per row, the new token ids (EOS included when it ended the row).
-    stats: per row, a dict: ``new_tokens``, ``target_calls``, ``draft_calls``,
-      ``drafted_tokens``, ``accepted_tokens``, ``checked_tokens``,
+    tokens: per row, the new token ids (EOS / a stop token included when it ended the row;
+      for a stop string, up to the token that completed it).
+    stats: per row, a dict (:func:`row_stats`): ``new_tokens``, ``target_calls``,
+      ``draft_calls``, ``drafted_tokens``, ``accepted_tokens``, ``checked_tokens``,
       ``mean_accepted_tokens`` (new tokens ÷ target calls, Spec-Bench's τ),
-      ``acceptance_rate`` (accepted ÷ checked draft tokens), ``accept_hist``,
-      ``finish_reason`` (``eos`` or ``length``).
+      ``acceptance_rate`` (accepted ÷ checked draft tokens; ``None`` without a drafter),
+      ``accept_hist``, ``finish_reason`` (``eos``, ``stop`` or ``length``). Every counter
+      counts only the emitted tokens.
     compile_s, prefill_s, decode_s: seconds (compile excluded from the other two;
       0 when the programs were already compiled).
+    logprobs: per row and emitted token ``{"id", "logprob", "top": [(id, logprob), ...]}``
+      (see :class:`Logprobs`), or ``None`` when not requested.
     """
 
     tokens: list[list[int]]
@@ -297,6 +391,7 @@ class GenerationResult:
     compile_s: float
     prefill_s: float
     decode_s: float
+    logprobs: list[list[dict]] | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -325,15 +420,37 @@ def prompt_bucket(n: int) -> int:
     return max(PROMPT_BUCKET, 1 << max(0, int(n) - 1).bit_length())
 
 
+SEED_LIMIT = 2 ** 64
+
+
+def seed_key(seed) -> np.ndarray:
+    """The raw threefry key ``[2] uint32`` of a seed in ``[0, 2**64)``: ``[seed >> 32, seed & 0xFFFFFFFF]``,
+    all 64 bits (``jax.random.PRNGKey(seed)`` with 64-bit ints enabled; for seeds < 2**32 the
+    same key as ``PRNGKey(seed)`` without them).
+
+    Raises:
+      ValueError: a seed that is not an integer in ``[0, 2**64)``.
+    """
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) < SEED_LIMIT:
+        raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
+    s = int(seed)
+    return np.array([s >> 32, s & 0xFFFFFFFF], np.uint32)
+
+
 def request_keys(seed: int | Sequence[int], batch: int, offset: int = 0) -> jax.Array:
-    """Per-row request keys ``[B, 2]``: ``fold_in(PRNGKey(seed), offset + i)`` for an int seed
-    (row identity = its index in the request list, not its batch slot), or
-    ``PRNGKey(seed_i)`` for a list of per-row seeds."""
+    """Per-row request keys ``[B, 2]`` uint32: ``fold_in(seed_key(seed), offset + i)`` for an int
+    seed (row identity = its index in the request list, not its batch slot), or
+    ``seed_key(seed_i)`` for a list of per-row seeds. Seeds are integers in ``[0, 2**64)``
+    and every bit counts (distinct seeds give distinct keys).
+
+    Raises:
+      ValueError: a seed outside ``[0, 2**64)``, or a list whose length is not ``batch``.
+    """
     if isinstance(seed, (list, tuple, np.ndarray)):
         if len(seed) != batch:
             raise ValueError(f"got {len(seed)} seeds for {batch} prompts; pass one per prompt or a single int")
-        return jnp.stack([jax.random.PRNGKey(int(s)) for s in seed])
-    base = jax.random.PRNGKey(int(seed))
+        return jnp.asarray(np.stack([seed_key(s) for s in seed]))
+    base = jnp.asarray(seed_key(seed))
     # one vectorized fold_in (a Python loop of B eager fold_ins took 142 s for B = 4000)
     rows = jnp.asarray(np.arange(offset, offset + batch, dtype=np.uint32))
     return jax.vmap(lambda i: jax.random.fold_in(base, i))(rows)
@@ -370,7 +487,8 @@ class Decoder:
     are sharded (:mod:`specjax.sharding`); a batch is padded to a multiple of ``data``.
     """
 
-    def __init__(self, target, drafter=None, gamma: int = 4, mesh=None):
+    def __init__(self, target, drafter=None, gamma: int = 4, mesh=None, progress=None):
+        self.progress = progress
         if drafter is not None and (int(gamma) != gamma or gamma < 1):
             raise ValueError(f"gamma (num_draft_tokens) must be an integer >= 1, got {gamma!r}")
         from specjax import sharding
@@ -382,9 +500,12 @@ class Decoder:
         self._compiled: dict = {}
 
     # ---- compile (AOT, timed separately)
+    def _key(self, which, prog, args):
+        return (which, prog, jax.tree_util.tree_structure(args),
+                tuple((x.shape, x.dtype) for x in jax.tree_util.tree_leaves(args)))
+
     def _get(self, which, prog, args):
-        key = (which, prog, jax.tree_util.tree_structure(args),
-               tuple((x.shape, x.dtype) for x in jax.tree_util.tree_leaves(args)))
+        key = self._key(which, prog, args)
         hit = self._compiled.get(key)
         if hit is not None:
             return hit, 0.0
@@ -405,11 +526,20 @@ class Decoder:
         return lim
 
     def prepare(self, prompts, *, max_new_tokens=128, sampling: SamplingParams | None = None,
-                seed=0, keys=None, eos_ids=None, seed_offset: int = 0):
-        """Validate and bucket a batch; returns ``(program, start args)``."""
+                seed=0, keys=None, eos_ids=None, seed_offset: int = 0, stop_token_ids=None,
+                logprobs: int | None = None):
+        """Validate and bucket a batch; returns ``(program, start args)``.
+
+        ``eos_ids``: ids that end a row (default the model's EOS ids; ``[]`` ignores EOS).
+        ``stop_token_ids``: more ids that end a row (``finish_reason`` ``"stop"``): one list
+        for every row or one list per row. ``logprobs``: ``None`` (off) or N ≥ 0 top
+        alternatives recorded per emitted token (:class:`Logprobs`)."""
         cfg = self.target.config
         ctx_limit = self.context_limit()
         _validate(prompts, max_new_tokens, self.gamma or 1, self.drafter, ctx_limit)
+        if logprobs is not None and (isinstance(logprobs, bool) or int(logprobs) != logprobs
+                                     or not 0 <= logprobs <= cfg.vocab_size):
+            raise ValueError(f"logprobs must be None or an integer in [0, {cfg.vocab_size}], got {logprobs!r}")
         b = len(prompts)
         plens = np.array([len(p) for p in prompts], np.int32)
         mn = np.broadcast_to(np.asarray(max_new_tokens, np.int64), (b,))
@@ -423,11 +553,11 @@ class Decoder:
             sampling = SamplingParams.create(b)
         if keys is None:
             keys = request_keys(seed, b, seed_offset)
-        eos = list(cfg.eos_token_ids if eos_ids is None else eos_ids)
-        eos_arr = np.full((b, max(1, len(eos))), -1, np.int32)
-        eos_arr[:, : len(eos)] = eos
+        eos_arr = _stop_ids_array(list(cfg.eos_token_ids if eos_ids is None else eos_ids), stop_token_ids, b,
+                                  cfg.vocab_size)
         cache_dtype = kv_cache_dtype(self.target.dtype)
-        prog = Program(cfg, self.target.graphdef, self.drafter, self.gamma, buf, cache_dtype)
+        prog = Program(cfg, self.target.graphdef, self.drafter, self.gamma, buf, cache_dtype,
+                       -1 if logprobs is None else int(logprobs))
         dparams = None if self.drafter is None else self.drafter.params
         args = (self.target.params, dparams, jnp.asarray(prompt), jnp.asarray(plens), jnp.asarray(mn),
                 jnp.asarray(eos_arr), jnp.asarray(keys), sampling)
@@ -438,44 +568,107 @@ class Decoder:
         return prog, args
 
     def start(self, prompts, **kw):
-        """Prefill: returns ``(state, compile_s, prefill_s)``.
+        """Prefill: returns ``(program, state, compile_s, prefill_s)``.
 
-        The prefill does not depend on γ: off a mesh it is compiled once per (drafter, shape
-        bucket) for every γ (:func:`_start_program`), and the γ-shaped parts of the state
-        are sized afterwards (:func:`_size_for_gamma`)."""
+        Compiles (once per shape bucket) the prefill AND the decode loop, inside one
+        ``progress`` phase, so a later :meth:`run` never compiles. The prefill does not depend
+        on γ: off a mesh it is compiled once per (drafter, shape bucket) for every γ
+        (:func:`_start_program`), and the γ-shaped parts of the state are sized afterwards
+        (:func:`_size_for_gamma`)."""
         prog, args = self.prepare(prompts, **kw)
         sprog = prog if self.mesh is not None else _start_program(prog)
-        fn, c = self._get("start", sprog, args)
-        t0 = time.perf_counter()
-        st = fn(*args)
-        if sprog is not prog:
-            st = _size_for_gamma(st, prog)
-        st = jax.block_until_ready(st)
-        return prog, st, c, time.perf_counter() - t0
+        compiled = self._key("start", sprog, args) in self._compiled
+        what = "prefill + decode loop" + (f" (γ = {prog.gamma})" if prog.drafter is not None else "")
+        with phase(None if compiled else self.progress,
+                   f"compiling {what} for prompts of ≤ {args[2].shape[1]} tokens "
+                   "(once per length bucket; the on-disk cache makes the next run faster)"):
+            fn, c = self._get("start", sprog, args)
+            t0 = time.perf_counter()
+            st = fn(*args)
+            if sprog is not prog:
+                st = _size_for_gamma(st, prog)
+            st = jax.block_until_ready(st)
+            prefill_s = time.perf_counter() - t0
+            _, c2 = self._get("run", prog, self._run_args(st, 0))
+        return prog, st, c + c2, prefill_s
 
-    def run(self, prog, st, round_limit):
-        """Run rounds until done or ``round_limit``; returns ``(state, compile_s, seconds)``."""
+    def _run_args(self, st, round_limit):
         dparams = None if self.drafter is None else self.drafter.params
         args = (self.target.params, dparams, st, jnp.int32(round_limit))
         if self.mesh is not None:
             from specjax import sharding
 
             args = (*args[:3], sharding.put_replicated(args[3], self.mesh))
+        return args
+
+    def run(self, prog, st, round_limit):
+        """Run rounds until done or ``round_limit``; returns ``(state, compile_s, seconds)``."""
+        args = self._run_args(st, round_limit)
         fn, c = self._get("run", prog, args)
         t0 = time.perf_counter()
         st = jax.block_until_ready(fn(*args))
         return st, c, time.perf_counter() - t0
 
-    def generate(self, prompts: Sequence[Sequence[int]], **kw) -> GenerationResult:
-        """Decode a batch of token-id prompts to completion (see :func:`generate`)."""
-        prog, st, c1, prefill_s = self.start(prompts, **kw)
-        st, c2, decode_s = self.run(prog, st, np.iinfo(np.int32).max)
-        if self.mesh is not None:  # gather across hosts; drop the padding rows
-            from specjax import sharding
+    def _host(self, st):
+        if self.mesh is None:
+            return st
+        from specjax.sharding import host_view
 
-            res = _result(sharding.host_view(st), c1 + c2, prefill_s, decode_s)
-            return dataclasses.replace(res, tokens=res.tokens[:len(prompts)], stats=res.stats[:len(prompts)])
-        return _result(st, c1 + c2, prefill_s, decode_s)
+        return host_view(st)
+
+    def generate(self, prompts: Sequence[Sequence[int]], *, stop_fn=None, on_chunk=None,
+                 rounds_per_chunk: int = 8, **kw) -> GenerationResult:
+        """Decode a batch of token-id prompts to completion (see :func:`generate`).
+
+        ``stop_fn(row, new_tokens) -> int | None``: called after each chunk of
+        ``rounds_per_chunk`` rounds with a row's new tokens so far; an int k ends the row
+        with its first k new tokens (``finish_reason`` ``"stop"``; nothing after them is
+        emitted or counted). ``on_chunk(new_tokens_per_row)``: called after each chunk with
+        each row's newly committed tokens (cut where ``stop_fn`` ended a row). Without either,
+        the loop runs in one call (no host sync until the end)."""
+        eos = self.target.config.eos_token_ids if kw.get("eos_ids") is None else kw["eos_ids"]
+        if stop_fn is None and on_chunk is None:
+            prog, st, c, prefill_s = self.start(prompts, **kw)
+            st, c2, decode_s = self.run(prog, st, np.iinfo(np.int32).max)
+            return self._finish(st, len(prompts), c + c2, prefill_s, decode_s, {}, eos)
+        _check_rounds_per_chunk(rounds_per_chunk)
+        prog, st, c, prefill_s = self.start(prompts, **kw)
+        decode_s, cuts = 0.0, {}
+        hv = self._host(st)
+        seen = np.asarray(hv.lengths).copy()
+        plen = np.asarray(hv.prompt_lengths)
+        rows = len(prompts)
+        while True:
+            st, _, dt = self.run(prog, st, int(hv.round) + rounds_per_chunk)
+            decode_s += dt
+            hv = self._host(st)
+            lengths, toks = np.asarray(hv.lengths), np.asarray(hv.tokens)
+            newly, stopped = [], []
+            for i in range(rows):
+                end = int(lengths[i]) if i not in cuts else int(seen[i])
+                if stop_fn is not None and i not in cuts and end > seen[i]:
+                    k = stop_fn(i, toks[i, plen[i]: end].tolist())
+                    if k is not None:
+                        cuts[i] = int(k)
+                        end = min(end, int(plen[i]) + int(k))
+                        stopped.append(i)
+                newly.append(toks[i, seen[i]: end].tolist())
+                seen[i] = max(int(seen[i]), end)
+            if on_chunk is not None:
+                on_chunk(newly)
+            done = np.asarray(hv.done).copy()
+            done[list(cuts)] = True
+            if stopped and not np.all(done):  # end those rows on the device too
+                mask = np.zeros(np.shape(hv.done), bool)
+                mask[stopped] = True
+                st = dataclasses.replace(st, done=st.done | jax.device_put(mask, st.done.sharding))
+            if bool(np.all(done[:rows])):
+                return self._finish(st, rows, c, prefill_s, decode_s, cuts, eos)
+
+    def _finish(self, st, n_rows, compile_s, prefill_s, decode_s, cuts, eos) -> GenerationResult:
+        res = _result(self._host(st), compile_s, prefill_s, decode_s, cuts=cuts, model_eos=eos)
+        lp = None if res.logprobs is None else res.logprobs[:n_rows]
+        return dataclasses.replace(res, tokens=res.tokens[:n_rows], stats=res.stats[:n_rows], logprobs=lp)
 
     def stream(self, prompts, rounds_per_chunk: int = 8, **kw) -> Iterator[list[list[int]]]:
         """Yield, per chunk of ``rounds_per_chunk`` rounds, each row's newly committed tokens
@@ -484,16 +677,13 @@ class Decoder:
         Raises:
           ValueError: ``rounds_per_chunk`` is not an integer >= 1 (0 would loop forever).
         """
-        if isinstance(rounds_per_chunk, bool) or int(rounds_per_chunk) != rounds_per_chunk or rounds_per_chunk < 1:
-            raise ValueError(f"rounds_per_chunk must be an integer >= 1, got {rounds_per_chunk!r}")
-        from specjax.sharding import host_view  # a no-op off a multi-host mesh
-
+        _check_rounds_per_chunk(rounds_per_chunk)
         prog, st, _, _ = self.start(prompts, **kw)
-        hv = host_view(st)
+        hv = self._host(st)
         seen = np.asarray(hv.lengths).copy()
         while True:
             st, _, _ = self.run(prog, st, int(hv.round) + rounds_per_chunk)
-            hv = host_view(st)
+            hv = self._host(st)
             lengths = np.asarray(hv.lengths)
             toks = np.asarray(hv.tokens)
             yield [toks[i, seen[i]: lengths[i]].tolist() for i in range(len(prompts))]
@@ -502,31 +692,106 @@ class Decoder:
                 return
 
 
-def _result(st: DecodeState, compile_s, prefill_s, decode_s) -> GenerationResult:
+def _check_rounds_per_chunk(rounds_per_chunk):
+    if isinstance(rounds_per_chunk, bool) or int(rounds_per_chunk) != rounds_per_chunk or rounds_per_chunk < 1:
+        raise ValueError(f"rounds_per_chunk must be an integer >= 1, got {rounds_per_chunk!r}")
+
+
+def _stop_ids_array(eos: list, stop_token_ids, batch: int, vocab: int) -> np.ndarray:
+    """``[B, E]`` int32 ids that end each row (−1 = unused): ``eos`` plus the stop token ids
+    (one list for all rows, or one list per row)."""
+    if stop_token_ids is None or len(stop_token_ids) == 0:
+        per_row = [[] for _ in range(batch)]
+    elif all(isinstance(x, (list, tuple, np.ndarray)) for x in stop_token_ids):
+        if len(stop_token_ids) != batch:
+            raise ValueError(f"got {len(stop_token_ids)} stop_token_ids lists for {batch} prompts; "
+                             "pass one list for all prompts or one per prompt")
+        per_row = [list(x) for x in stop_token_ids]
+    else:
+        per_row = [list(stop_token_ids)] * batch
+    rows = [list(eos) + list(r) for r in per_row]
+    for r in rows:
+        for t in r:
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= int(t) < vocab:
+                raise ValueError(f"stop token id {t!r} is not an id of the model's vocabulary [0, {vocab})")
+    out = np.full((batch, max(1, max(len(r) for r in rows))), -1, np.int32)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out
+
+
+def row_stats(info: np.ndarray, rounds: np.ndarray, keep: int, speculative: bool) -> dict:
+    """The counters of one row from its per-token record (:class:`DecodeState` ``emit_info``
+    and ``emit_round`` over the row's new tokens), counting only its first ``keep`` tokens.
+
+    A round cut short by ``keep`` (a stop string) counts the draft tokens it emitted as
+    offered, checked and accepted, and nothing after them. This is the one definition of the
+    reported statistics; the loop's on-device :class:`Stats` equal it for ``keep = len(info)``.
+    Returns ``new_tokens, target_calls, draft_calls, drafted_tokens, accepted_tokens,
+    checked_tokens, accept_hist`` (a list indexed by accepted drafts per round)."""
+    if keep <= 0:
+        return dict(new_tokens=0, target_calls=0, draft_calls=0, drafted_tokens=0, accepted_tokens=0,
+                    checked_tokens=0, accept_hist=[])
+    info = np.asarray(info[:keep], np.int64)
+    r = np.asarray(rounds[:keep])
+    starts = np.flatnonzero(np.r_[True, r[1:] != r[:-1]])
+    acc = np.add.reduceat(info & 1, starts)
+    rej = (info[starts] >> 1) & 1
+    drafted = info[starts] >> 2
+    if keep < len(rounds) and rounds[keep] == r[-1]:  # the last kept round was cut short
+        rej[-1], drafted[-1] = 0, acc[-1]
+    calls = len(starts)
+    return dict(new_tokens=int(keep), target_calls=calls, draft_calls=calls if speculative else 0,
+                drafted_tokens=int(drafted.sum()), accepted_tokens=int(acc.sum()),
+                checked_tokens=int(acc.sum() + rej.sum()), accept_hist=np.bincount(acc).tolist())
+
+
+_STAT_KEYS = ("new_tokens", "target_calls", "draft_calls", "drafted_tokens", "accepted_tokens", "checked_tokens",
+              "mean_accepted_tokens", "acceptance_rate", "accept_hist", "finish_reason")
+
+
+def _result(st: DecodeState, compile_s, prefill_s, decode_s, cuts=None, model_eos=None) -> GenerationResult:
+    """Host results of a finished (or round-limited) state. ``cuts``: ``{row: k}`` rows ended by
+    a stop string after k new tokens. ``model_eos``: the EOS ids the row was decoded with (other
+    ids that ended a row are stop token ids: ``finish_reason`` ``"stop"``; ``None``: every id
+    is an EOS)."""
+    cuts = cuts or {}
     toks = np.asarray(st.tokens)
     plen = np.asarray(st.prompt_lengths)
     lengths = np.asarray(st.lengths)
     eos = np.asarray(st.eos)
-    s = jax.tree_util.tree_map(np.asarray, st.stats)
-    out_tokens, out_stats = [], []
+    info, rounds = np.asarray(st.emit_info), np.asarray(st.emit_round)
+    hist_width = int(np.shape(st.stats.accept_hist)[1])
+    speculative = hist_width > 1
+    model_eos = None if model_eos is None else {int(e) for e in model_eos}
+    lp = None if st.logprobs is None else jax.tree_util.tree_map(np.asarray, st.logprobs)
+    out_tokens, out_stats, out_lp = [], [], []
     for i in range(toks.shape[0]):
-        new = toks[i, plen[i]: lengths[i]].tolist()
+        p, end = int(plen[i]), int(lengths[i])
+        keep = min(cuts.get(i, end - p), end - p)
+        new = toks[i, p: p + keep].tolist()
         out_tokens.append(new)
-        calls = int(s.target_calls[i])
-        checked = int(s.checked_tokens[i])
-        out_stats.append({
-            "new_tokens": len(new),
-            "target_calls": calls,
-            "draft_calls": int(s.draft_calls[i]),
-            "drafted_tokens": int(s.drafted_tokens[i]),
-            "accepted_tokens": int(s.accepted_tokens[i]),
-            "checked_tokens": checked,
-            "mean_accepted_tokens": len(new) / calls if calls else 0.0,
-            "acceptance_rate": int(s.accepted_tokens[i]) / checked if checked else 0.0,
-            "accept_hist": s.accept_hist[i].tolist(),
-            "finish_reason": "eos" if new and new[-1] in set(eos[i].tolist()) - {-1} else "length",
-        })
-    return GenerationResult(out_tokens, out_stats, compile_s, prefill_s, decode_s)
+        s = row_stats(info[i, p: end], rounds[i, p: end], keep, speculative)
+        hist = np.zeros(hist_width, np.int64)
+        hist[: len(s["accept_hist"])] = s["accept_hist"]
+        stops = set(eos[i].tolist()) - {-1}
+        if i in cuts and keep == cuts[i]:
+            reason = "stop"
+        elif new and new[-1] in stops:
+            reason = "eos" if model_eos is None or new[-1] in model_eos else "stop"
+        else:
+            reason = "length"
+        calls, checked = s["target_calls"], s["checked_tokens"]
+        s.update(accept_hist=hist.tolist(), mean_accepted_tokens=len(new) / calls if calls else 0.0,
+                 acceptance_rate=(s["accepted_tokens"] / checked if checked else 0.0) if speculative else None,
+                 finish_reason=reason)
+        out_stats.append({k: s[k] for k in _STAT_KEYS})
+        if lp is not None:
+            sl = slice(p, p + keep)
+            out_lp.append([{"id": t, "logprob": float(a),
+                            "top": [(int(j), float(v)) for j, v in zip(ids, vals) if np.isfinite(v)]}
+                           for t, a, ids, vals in zip(new, lp.token[i, sl], lp.top_ids[i, sl], lp.top_logprobs[i, sl])])
+    return GenerationResult(out_tokens, out_stats, compile_s, prefill_s, decode_s, out_lp if lp is not None else None)
 
 
 def generate(target, prompts, *, drafter=None, gamma: int = 4, **kw) -> GenerationResult:

@@ -174,6 +174,7 @@ def _check_tiny(tiny, res, rows, mns, gamma, label):
         assert sum(st["accept_hist"]) == st["target_calls"] == st["draft_calls"]
         assert st["accepted_tokens"] == sum(n * c for n, c in enumerate(st["accept_hist"]))
         assert st["accepted_tokens"] <= st["checked_tokens"] <= st["drafted_tokens"] <= gamma * st["target_calls"]
+        assert st["accepted_tokens"] <= st["new_tokens"]
         # every round commits n+1 tokens, except an EOS cut in the last one
         committed = rounds_committed(st["accept_hist"])
         assert committed == st["new_tokens"] if st["finish_reason"] == "length" else committed >= st["new_tokens"]
@@ -262,18 +263,25 @@ def simulate(ref, bad, nv, gamma, max_new, eos):
         while n < allowed and (len(out) + n) not in bad:
             n += 1
         block = ref[len(out): len(out) + n + 1]  # n accepted drafts, then the target's token
+        stop = False
+        emitted = 0
+        for t in block:
+            out.append(t)
+            emitted += 1
+            if t in eos:
+                stop = True
+                break
+        # counters count only emitted tokens: an EOS on accepted draft j ends the round there
+        if emitted <= n:
+            n, allowed, rejected = emitted, emitted, 0
+        else:
+            rejected = 1 if n < allowed else 0
         s["target_calls"] += 1
         s["draft_calls"] += 1
         s["drafted_tokens"] += allowed
         s["accepted_tokens"] += n
-        s["checked_tokens"] += n + (1 if n < allowed else 0)
+        s["checked_tokens"] += n + rejected
         hist[n] += 1
-        stop = False
-        for t in block:
-            out.append(t)
-            if t in eos:
-                stop = True
-                break
         if stop or len(out) >= max_new:
             break
     s.update(new_tokens=len(out), accept_hist=hist,
@@ -319,9 +327,10 @@ def test_stats_exact_scripted(tiny):
             if eos and j == 0:
                 # the stop landed inside an accepted multi-token block: tokens were cut after it
                 assert out[-1] == eos_tok and got["finish_reason"] == "eos"
-                cut = rounds_committed(got["accept_hist"]) - got["new_tokens"]
-                assert cut >= 1
+                # its round counts the drafts up to the EOS as accepted, and no bonus token
+                assert rounds_committed(got["accept_hist"]) - got["new_tokens"] == 1
                 eos_cut_seen = True
+            assert got["accepted_tokens"] <= got["new_tokens"]
         if all(v == 0 for v in nvs):
             assert all(s["target_calls"] == s["new_tokens"] and s["drafted_tokens"] == 0 for s in res.stats)
     assert eos_cut_seen
@@ -690,8 +699,10 @@ def test_real_greedy_batch1_eos_in_block(real, kind, gamma):
     check_greedy(real["model"], prompt, ref, res.tokens[0], N_REAL, [tok], f"{label} eos={tok}")
     st = res.stats[0]
     assert res.tokens[0][-1] == tok and res.tokens[0].count(tok) == 1 and st["finish_reason"] == "eos"
-    # the last round accepted past the EOS: exactly the block's tokens after it were dropped
-    assert rounds_committed(st["accept_hist"]) - st["new_tokens"] == after >= 1
+    # the last round accepted past the EOS (``after`` ≥ 1 tokens dropped), and its counters stop at
+    # the EOS: the drafts up to it count as accepted, nothing after it (no bonus token either)
+    assert after >= 1 and rounds_committed(st["accept_hist"]) - st["new_tokens"] == 1
+    assert st["accepted_tokens"] <= st["new_tokens"] and st["checked_tokens"] <= st["drafted_tokens"]
 
 
 @pytest.mark.slow
