@@ -99,8 +99,26 @@ def read_prompts(path: str) -> list[dict]:
     return out
 
 
-def encode_prompts(target: Model, texts: Sequence[str], chat: bool) -> list[list[int]]:
-    """Token ids of each text (with the model's chat template when ``chat``)."""
+def encode_prompts(target: Model, texts: Sequence[str], chat: bool, parse_special: bool = True) -> list[list[int]]:
+    """Token ids of each text (with the model's chat template when ``chat``).
+
+    Args:
+      target: a model with a tokenizer (only ``target.tokenizer`` and ``target.name`` are read).
+      texts: the prompts (non-empty strings).
+      chat: render each text as one user message with the chat template.
+      parse_special: ``True`` (default, as before): special-token strings typed in a text
+        (``<|im_start|>``, ``<|endoftext|>``, …) become control ids. ``False``: the texts are
+        tokenized as plain text; with ``chat`` only the template's own special tokens become
+        control ids (:meth:`specjax.loading.tokenizer.Tokenizer.encode_chat`). Ordinary text
+        gets the same ids either way.
+
+    Returns:
+      ``list[list[int]]``: one id list per text.
+
+    Raises:
+      CheckpointError: the model has no tokenizer.
+      ValueError: an empty prompt; ``chat`` without a chat template.
+    """
     tok = target.tokenizer
     if tok is None:
         raise CheckpointError(f"{target.name} has no tokenizer; pass token ids to specjax.decode.generate instead")
@@ -108,7 +126,8 @@ def encode_prompts(target: Model, texts: Sequence[str], chat: bool) -> list[list
     for i, t in enumerate(texts):
         if not isinstance(t, str) or not t.strip():
             raise ValueError(f"prompt {i} is empty; give a non-empty prompt")
-        ids.append(tok.encode(tok.apply_chat_template(t), add_special_tokens=False) if chat else tok.encode(t))
+        ids.append(tok.encode_chat(t, parse_special=parse_special) if chat
+                   else tok.encode(t, parse_special=parse_special))
     return ids
 
 
@@ -127,6 +146,7 @@ def generate_text(
     batch_size: int | None = None,
     ignore_eos: bool = False,
     decoder: Decoder | None = None,
+    parse_special: bool = True,
 ) -> list[dict]:
     """Generate text for each prompt. Returns one dict per prompt:
     ``{"text", "tokens", "stats"}`` where ``stats`` has ``new_tokens``, ``prefill_s``,
@@ -135,8 +155,11 @@ def generate_text(
     of :class:`specjax.decode.GenerationResult`.
 
     Prompt i uses request key ``fold_in(PRNGKey(seed), i)``, whatever its batch.
+
+    ``parse_special`` (default ``True``): whether special-token strings typed in a prompt
+    become control ids; ``False`` tokenizes prompts as plain text (see :func:`encode_prompts`).
     """
-    ids = encode_prompts(target, prompts, chat)
+    ids = encode_prompts(target, prompts, chat, parse_special=parse_special)
     bs = batch_size or len(ids)
     if bs < 1:
         raise ValueError(f"batch_size must be >= 1, got {bs}")

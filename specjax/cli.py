@@ -51,6 +51,9 @@ def add_model_args(p: argparse.ArgumentParser, multi_draft: bool = False) -> Non
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1] (1 = off)")
     p.add_argument("--seed", type=int, default=0, help="request seed (prompt i uses fold_in(seed, i))")
     p.add_argument("--chat", action="store_true", default=None, help="wrap prompts in the model's chat template")
+    p.add_argument("--no-parse-special", dest="parse_special", action="store_false", default=None,
+                   help="tokenize prompt text as plain text: a typed <|im_start|> etc. does not become a control "
+                        "token (with --chat only the template's own special tokens do). Default: parsed")
     p.add_argument("--batch-size", type=int, default=1, help="prompts decoded together")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS (fixed-length benchmarks)")
     p.add_argument("--mesh", default=None, help="device mesh, e.g. data=2,model=4 (default: one device)")
@@ -77,6 +80,7 @@ def resolve(args) -> dict:
         "top_k": pick("top_k", 0),
         "top_p": pick("top_p", 1.0),
         "chat": bool(pick("chat", False)),
+        "parse_special": bool(pick("parse_special", True)),
     }
     if s["draft_dtype"] is None:
         s["draft_dtype"] = s["dtype"]
