@@ -99,8 +99,26 @@ def read_prompts(path: str) -> list[dict]:
     return out
 
 
-def encode_prompts(target: Model, texts: Sequence[str], chat: bool) -> list[list[int]]:
-    """Token ids of each text (with the model's chat template when ``chat``)."""
+def encode_prompts(target: Model, texts: Sequence[str], chat: bool, parse_special: bool = True) -> list[list[int]]:
+    """Token ids of each text (with the model's chat template when ``chat``).
+
+    Args:
+      target: a model with a tokenizer (only ``target.tokenizer`` and ``target.name`` are read).
+      texts: the prompts (non-empty strings).
+      chat: render each text as one user message with the chat template.
+      parse_special: ``True`` (default, as before): special-token strings typed in a text
+        (``<|im_start|>``, ``<|endoftext|>``, …) become control ids. ``False``: the texts are
+        tokenized as plain text; with ``chat`` only the template's own special tokens become
+        control ids (:meth:`specjax.loading.tokenizer.Tokenizer.encode_chat`). Ordinary text
+        gets the same ids either way.
+
+    Returns:
+      ``list[list[int]]``: one id list per text.
+
+    Raises:
+      CheckpointError: the model has no tokenizer.
+      ValueError: an empty prompt; ``chat`` without a chat template.
+    """
     tok = target.tokenizer
     if tok is None:
         raise CheckpointError(f"{target.name} has no tokenizer; pass token ids to specjax.decode.generate instead")
@@ -108,7 +126,8 @@ def encode_prompts(target: Model, texts: Sequence[str], chat: bool) -> list[list
     for i, t in enumerate(texts):
         if not isinstance(t, str) or not t.strip():
             raise ValueError(f"prompt {i} is empty; give a non-empty prompt")
-        ids.append(tok.encode(tok.apply_chat_template(t), add_special_tokens=False) if chat else tok.encode(t))
+        ids.append(tok.encode_chat(t, parse_special=parse_special) if chat
+                   else tok.encode(t, parse_special=parse_special))
     return ids
 
 
@@ -191,6 +210,7 @@ def generate_text(
     logprobs: int | None = None,
     on_text=None,
     progress=None,
+    parse_special: bool = True,
 ) -> list[dict]:
     """Generate text for each prompt. Returns one dict per prompt:
     ``{"text", "tokens", "stats"}`` (and ``"logprobs"`` when asked) where ``stats`` has
@@ -211,6 +231,8 @@ def generate_text(
       on_text: ``on_text(i, piece)`` is called with prompt i's text as it is generated
         (incremental detokenization per chunk of rounds; the pieces add up to ``text``).
       progress: a :class:`specjax.progress.Progress` for phase lines (compiles), or ``None``.
+      parse_special: whether special-token strings typed in a prompt become control ids
+        (default ``True``); ``False`` tokenizes prompts as plain text (see :func:`encode_prompts`).
 
     Prompt i uses request key ``fold_in(seed_key(seed), i)``, whatever its batch.
 
@@ -220,7 +242,7 @@ def generate_text(
     stop = [] if stop is None else list(stop)
     if any(not isinstance(s, str) or not s for s in stop):
         raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")
-    ids = encode_prompts(target, prompts, chat)
+    ids = encode_prompts(target, prompts, chat, parse_special=parse_special)
     bs = batch_size or len(ids)
     if bs < 1:
         raise ValueError(f"batch_size must be >= 1, got {bs}")

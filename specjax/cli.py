@@ -53,6 +53,9 @@ def add_model_args(p: argparse.ArgumentParser, multi_draft: bool = False) -> Non
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="wrap prompts in the model's chat template (generate: on when the model has one; "
                         "--no-chat sends raw text)")
+    p.add_argument("--no-parse-special", dest="parse_special", action="store_false", default=None,
+                   help="tokenize prompt text as plain text: a typed <|im_start|> etc. does not become a control "
+                        "token (with --chat only the template's own special tokens do). Default: parsed")
     p.add_argument("--batch-size", type=int, default=1, help="prompts decoded together")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS (fixed-length benchmarks)")
     p.add_argument("--mesh", default=None, help="device mesh, e.g. data=2,model=4 (default: one device)")
@@ -79,6 +82,7 @@ def resolve(args) -> dict:
         "top_k": pick("top_k", 0),
         "top_p": pick("top_p", 1.0),
         "chat": pick("chat", None),  # None: the command's default (generate: the model's template if any)
+        "parse_special": bool(pick("parse_special", True)),
     }
     if s["draft_dtype"] is None:
         s["draft_dtype"] = s["dtype"]
@@ -209,6 +213,7 @@ def cmd_generate(args) -> int:
         max_new_tokens=s["max_new_tokens"], temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"],
         seed=args.seed, chat=chat, batch_size=args.batch_size, ignore_eos=args.ignore_eos,
         stop=args.stop, logprobs=args.logprobs, on_text=on_text if stream else None, progress=progress,
+        parse_special=s["parse_special"],
     )
     for p, o in zip(prompts, outs):
         if args.json:

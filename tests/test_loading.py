@@ -57,6 +57,7 @@ TRICKY = [
     "1234567890 3.14159 1,000,000 and 2024-01-31",
     "héllo wörld — naïve café, 日本語のテキスト, emoji 🤖🚀 and Ω≈ç√",
     "  leading spaces\n\n\ttabs\r\nand   runs    of spaces   ",
+    "a  1", "line\n\n3", "x = 3.14\n\n\ny",
     "<|im_start|>user\nhi<|im_end|>\n<|endoftext|>",
     "inline<|im_end|>special and <|im_start|>again",
     "",
@@ -76,6 +77,14 @@ def hf_gguf():
     d, name = os.path.split(default_model_path())
     model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
+    # transformers' GGUF conversion ignores tokenizer.ggml.pre = "smollm" (plain GPT-2 regex);
+    # use the pre-tokenizer of SmolLM2's own tokenizer.json: digits split off, then GPT-2's.
+    from tokenizers import pre_tokenizers
+
+    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+    ])
     return model, tok
 
 

