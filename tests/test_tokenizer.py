@@ -211,7 +211,7 @@ def test_parse_special_api(smol):
         def generate(self, prompts, **kw):
             self.prompts = prompts
             return types.SimpleNamespace(tokens=[[] for _ in prompts], stats=[{} for _ in prompts],
-                                         prefill_s=0.0, decode_s=0.0, compile_s=0.0)
+                                         prefill_s=0.0, decode_s=0.0, compile_s=0.0, logprobs=None)
 
     for ps in (True, False):
         rec = Recorder()
