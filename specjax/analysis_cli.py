@@ -61,6 +61,7 @@ def register_cli(subparsers) -> None:
     add_model_args(p)
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.add_argument("--plot", metavar="PNG", default=None, help="write predicted speedup vs γ (with measured points)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr (shown only on a terminal)")
     p.set_defaults(func=cmd_analyze)
 
 
@@ -308,7 +309,7 @@ def run_models(args) -> dict:
         target, drafter, prompts, gamma_max=gmax, gamma=gamma, chat=bool(s["chat"]),
         max_new_tokens=s["max_new_tokens"], temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"],
         seed=args.seed, batch_size=args.batch_size, ignore_eos=args.ignore_eos, repeats=args.repeats,
-        timing_repeats=args.timing_repeats, log=log,
+        timing_repeats=args.timing_repeats, log=log, progress=not args.no_progress,
     )
     rep["mode"] = "models"
     rep["command_settings"] = {"model": s["model"] or "default", "draft": s["draft"],

@@ -469,7 +469,7 @@ def run_bench(
     ``prompts``: records ``{"prompt", "question_id", "category"}`` (:func:`specjax.api.read_prompts`).
     """
     import jax
-    from tqdm.auto import tqdm
+    from tqdm import tqdm
 
     from specjax.api import encode_prompts
     from specjax.decode import Decoder
@@ -492,7 +492,9 @@ def run_bench(
     weight_bytes: dict[str, dict] = {}
     model_name = None
     total_steps = len(batches) * len(dtypes) * (1 + len(drafts) * len(gammas))
-    bar = tqdm(total=total_steps, desc="bench", unit="batch", file=sys.stderr, disable=not progress, dynamic_ncols=True)
+    # disable=None: tqdm shows the bar only when stderr is a terminal (no \r lines in logs)
+    bar = tqdm(total=total_steps, desc="bench", unit="batch", file=sys.stderr, disable=None if progress else True,
+               dynamic_ncols=True)
     try:
         for dtype in dtypes:
             ddtype = draft_dtype or dtype

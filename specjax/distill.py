@@ -934,7 +934,8 @@ def run(args) -> dict:
         _log(f"step 0: α = {r0['alpha']:.3f} (second draft {r0['alpha2']:.3f})")
     alpha = history[-1]["alpha"] if history else float("nan")
     bar = tqdm(range(start, s.steps), initial=start, total=s.steps, desc="distill", file=sys.stderr,
-               disable=os.environ.get("SPECJAX_NO_PROGRESS") == "1", mininterval=2.0)
+               disable=True if os.environ.get("SPECJAX_NO_PROGRESS") == "1" else None,  # None: only on a TTY
+               mininterval=2.0)
     t0 = time.time()
     loss = float("nan")
     for step in bar:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import statistics
+import sys
 import time
 from collections import defaultdict
 from typing import Any, Sequence
@@ -147,6 +148,15 @@ def _sampling(batch, temperature, top_k, top_p):
     return SamplingParams.create(batch, temperature, top_k, top_p)
 
 
+def _progress(iterable, desc: str, total: int | None = None, enabled: bool = False):
+    """``iterable`` with a tqdm bar on stderr when ``enabled`` and stderr is a terminal
+    (``disable=None``: no carriage-return lines in logs; stdout is never written)."""
+    from tqdm import tqdm
+
+    return tqdm(iterable, desc=desc, total=total, file=sys.stderr, disable=None if enabled else True, leave=False,
+                dynamic_ncols=True)
+
+
 def measure_alpha(
     target,
     drafter,
@@ -158,6 +168,7 @@ def measure_alpha(
     top_p: float = 1.0,
     batch_size: int = 4,
     seed: int = 0,
+    progress: bool = False,
 ) -> dict:
     """α = E[Σ_x min(p, q)] along the target's own continuation (teacher forcing).
 
@@ -190,7 +201,7 @@ def measure_alpha(
     if isinstance(drafter, ModelDrafter):
         b = max(1, min(int(batch_size), len(seqs)))
         sp = _sampling(b, temperature, top_k, top_p)
-        for lo in range(0, len(seqs), b):
+        for lo in _progress(range(0, len(seqs), b), "alpha", enabled=progress):
             rows = list(range(lo, min(lo + b, len(seqs))))
             rows_pad = rows + [rows[0]] * (b - len(rows))
             tok = np.zeros((b, length), np.int32)
@@ -208,7 +219,7 @@ def measure_alpha(
         spw = _sampling(width, temperature, top_k, top_p)
         keys = jax.vmap(lambda i: jax.random.split(jax.random.fold_in(jax.random.PRNGKey(seed), i), 1))(
             jnp.arange(width))
-        for i, s in enumerate(seqs):
+        for i, s in _progress(enumerate(seqs), "alpha", total=len(seqs), enabled=progress):
             tok = np.zeros((1, length), np.int32)
             tok[0, : len(s)] = s
             p, hidden = _teacher_probs(target.graphdef, target.config, target.params, jnp.asarray(tok),
@@ -450,6 +461,7 @@ def measure_speedup(
     repeats: int = 1,
     autoregressive: bool = True,
     decoders: dict | None = None,
+    progress: bool = False,
 ) -> dict:
     """The real decode loop: autoregressive and speculative (γ) on the same prompts,
     interleaved batch by batch (AR, spec, AR, spec, …) so both see the same machine load.
@@ -484,7 +496,7 @@ def measure_speedup(
     gens = {k: list(_decode_batches(dec, prompts, max_new_tokens, sp_kw, seed, batch_size, ignore_eos))
             for k, dec in kinds}
     n_batches = len(gens["spec"])
-    for bi in range(n_batches):
+    for bi in _progress(range(n_batches), f"speedup γ={gamma}", enabled=progress):
         per = {k: [] for k, _ in kinds}
         last = {}
         for _ in range(max(1, int(repeats))):
@@ -511,14 +523,17 @@ def measure_speedup(
 def autoregressive_run(target, prompts, **kw) -> dict:
     """The target alone (its own output for :func:`measure_alpha`, and a warm AR decoder)."""
     decoders = kw.pop("decoders", None)
+    progress = kw.pop("progress", False)
     decoders = {} if decoders is None else decoders
     k = (id(target), id(None), 0)
     dec = decoders.setdefault(k, Decoder(target, None, 0))
     sp_kw = {n: kw.pop(n) for n in ("temperature", "top_k", "top_p") if n in kw}
     sp_kw = dict(dict(temperature=0.0, top_k=0, top_p=1.0), **sp_kw)
     res, times = [], []
-    for rows, run in _decode_batches(dec, prompts, kw.get("max_new_tokens", 128), sp_kw, kw.get("seed", 0),
-                                     kw.get("batch_size", 1), kw.get("ignore_eos", False)):
+    bs = max(1, int(kw.get("batch_size", 1) or len(prompts)))
+    for rows, run in _progress(_decode_batches(dec, prompts, kw.get("max_new_tokens", 128), sp_kw, kw.get("seed", 0),
+                                               kw.get("batch_size", 1), kw.get("ignore_eos", False)),
+                               "target", total=-(-len(prompts) // bs), enabled=progress):
         r = run()
         res.append((rows, r))
         times.append(r.decode_s)
@@ -604,6 +619,7 @@ def analyze_pair(
     quick_costs: bool = False,
     measure_run: bool = True,
     log=None,
+    progress: bool = False,
 ) -> dict:
     """Everything ``specjax analyze`` reports for one target/drafter pair.
 
@@ -613,7 +629,8 @@ def analyze_pair(
     (:func:`measure_costs`, batch = ``batch_size``, buffer for the median prompt);
     (4) the theory table and the recommended γ (largest predicted speedup with the
     measured c(γ), v(γ)); (5) the real speculative run at the recommended γ (and at
-    ``gamma`` if given), interleaved with AR (:func:`measure_speedup`).
+    ``gamma`` if given), interleaved with AR (:func:`measure_speedup`). ``progress``: tqdm
+    bars on stderr over the prompts / batches of steps 1, 2 and 5 (only when stderr is a terminal).
 
     Returns a JSON-serialisable dict (see ``specjax analyze --json``).
     """
@@ -623,9 +640,9 @@ def analyze_pair(
     run_kw = dict(max_new_tokens=max_new_tokens, seed=seed, batch_size=batch_size, ignore_eos=ignore_eos, **sp_kw)
     decoders: dict = {}
     say(f"[1/5] target's own output: {len(recs)} prompts × ≤{max_new_tokens} tokens")
-    base = autoregressive_run(target, recs, decoders=decoders, **run_kw)
+    base = autoregressive_run(target, recs, decoders=decoders, progress=progress, **run_kw)
     say("[2/5] alpha by teacher forcing")
-    alpha = measure_alpha(target, drafter, recs, base["tokens"], seed=seed, batch_size=4, **sp_kw)
+    alpha = measure_alpha(target, drafter, recs, base["tokens"], seed=seed, batch_size=4, progress=progress, **sp_kw)
     gammas = list(range(1, int(gamma_max) + 1))
     plen = int(np.median([len(r["ids"]) for r in recs]))
     say(f"[3/5] costs c(γ), v(γ) for γ = 1..{gamma_max} (batch {batch_size}, prompt {plen} tokens)")
@@ -662,7 +679,8 @@ def analyze_pair(
         gs = [best["gamma"]] + ([int(gamma)] if gamma is not None and int(gamma) != best["gamma"] else [])
         for g in gs:
             say(f"[5/5] speculative run at γ = {g} (interleaved with autoregressive)")
-            run = measure_speedup(target, drafter, recs, g, repeats=repeats, decoders=decoders, **run_kw)
+            run = measure_speedup(target, drafter, recs, g, repeats=repeats, decoders=decoders, progress=progress,
+                                  **run_kw)
             row = rows[g - 1] if g <= len(rows) else theory_rows(a, [g], costs["c_scalar"], costs["v"][-1])[0]
             cmp = compare(a, g, run, row, coverage=alpha["coverage"])
             by_cat = {}

@@ -291,6 +291,22 @@ def test_model_mode_tiny_models_json_fields(capsys, tmp_path):
     assert isinstance(g, int) and g in (1, 2)
 
 
+def test_progress_bars_on_stderr_only_on_a_terminal(monkeypatch, capsys):
+    """The analyze loops' tqdm bars (measure._progress): stderr only, and only on a terminal."""
+    import io
+    import sys
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    for stream, enabled, shown in ((Terminal(), True, True), (io.StringIO(), True, False), (Terminal(), False, False)):
+        monkeypatch.setattr(sys, "stderr", stream)
+        assert list(measure._progress(range(3), "alpha", enabled=enabled)) == [0, 1, 2]
+        assert ("alpha" in stream.getvalue()) is shown and ("\r" in stream.getvalue()) is shown
+    assert capsys.readouterr().out == ""
+
+
 def test_model_mode_errors(capsys, tmp_path):
     rc, _, err = run_cli(capsys, "analyze", "--model", "x", "--alpha", "0.5", "--c", "0.1")
     assert rc == 2 and "cannot be combined with --model" in err

@@ -5,6 +5,7 @@ the committed copies checked for outputs (they are committed executed, with full
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -69,6 +70,25 @@ def executed(tmp_path_factory):
     return out
 
 
+# Absolute local paths (a checkout, temp dirs, home directories, Colab's /content, installed
+# packages) must not appear in saved outputs; URLs (…github.com/…) are not matched.
+_LOCAL_PATH = re.compile(r"(?<![\w.:/~-])/(?:work|tmp|root|home|Users|usr|opt|var|private|content|mnt)/|"
+                         r"site-packages|dist-packages|[A-Za-z]:\\Users")
+
+
+def _local_paths(nb):
+    """``[(cell index, match)]`` in the text of every output (images are skipped)."""
+    found = []
+    for i, c in enumerate(nb.cells):
+        for o in c.get("outputs", []) if c.cell_type == "code" else []:
+            texts = [o.get("text", "")] + list(o.get("traceback", []))
+            texts += [v for k, v in o.get("data", {}).items() if k.startswith("text/")]
+            for t in texts:
+                t = "".join(t) if isinstance(t, list) else str(t)
+                found += [(i, t[max(0, m.start() - 40): m.end() + 40]) for m in _LOCAL_PATH.finditer(t)]
+    return found
+
+
 def _errors(nb):
     return [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.get("output_type") == "error"]
 
@@ -82,6 +102,7 @@ def test_notebook_executes_small(executed, name):
     for i, c in enumerate(nb.cells):
         if c.cell_type == "code":
             assert c.get("outputs"), f"{name}: code cell {i} produced no output in small settings"
+    assert not _local_paths(nb), f"{name}: outputs print absolute local paths: {_local_paths(nb)}"
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
@@ -96,6 +117,7 @@ def test_committed_notebook_has_outputs(name):
         assert c.get("outputs"), f"{name}: code cell {i} has no committed output (commit the notebook executed)"
         assert c.get("execution_count") is not None, f"{name}: code cell {i} was not executed"
     assert not _errors(nb), f"{name}: the committed notebook contains error outputs"
+    assert not _local_paths(nb), f"{name}: saved outputs contain absolute local paths: {_local_paths(nb)}"
     pngs = [o for c in code for o in c["outputs"] if "image/png" in o.get("data", {})]
     assert pngs, f"{name}: no image/png output (plots must be committed inline)"
     assert "SPECJAX_NOTEBOOK_SMALL" in "".join(c.source for c in code)
