@@ -472,7 +472,7 @@ def run_bench(
     from tqdm.auto import tqdm
 
     from specjax.api import encode_prompts
-    from specjax.decode import Decoder
+    from specjax.decode import Decoder, seed_key
     from specjax.loading import load_model
     from specjax.models import llama
     from specjax.sampling import SamplingParams
@@ -525,7 +525,7 @@ def run_bench(
             def gen(dec, bi):
                 idx = batches[bi]
                 sp = SamplingParams.create(len(idx), temperature, top_k, top_p)
-                keys = jax.numpy.stack([jax.random.fold_in(jax.random.PRNGKey(seed), i) for i in idx])
+                keys = jax.numpy.stack([jax.random.fold_in(seed_key(seed), i) for i in idx])
                 t0 = time.perf_counter()
                 res = dec.generate([ids[i] for i in idx], max_new_tokens=max_new_tokens, sampling=sp, keys=keys,
                                    eos_ids=[] if ignore_eos else None)

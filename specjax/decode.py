@@ -325,6 +325,15 @@ def prompt_bucket(n: int) -> int:
     return max(PROMPT_BUCKET, 1 << max(0, int(n) - 1).bit_length())
 
 
+def seed_key(seed: int) -> jax.Array:
+    """``PRNGKey(seed)`` for a seed in ``[0, 2**64)`` (seeds from 2**63 on are passed as the
+    int64 with the same bits; smaller seeds give exactly ``PRNGKey(seed)``)."""
+    s = int(seed)
+    if s >= 2**64:
+        raise ValueError(f"seed must be in [0, 2**64), got {s}")
+    return jax.random.PRNGKey(s - 2**64 if s >= 2**63 else s)
+
+
 def request_keys(seed: int | Sequence[int], batch: int, offset: int = 0) -> jax.Array:
     """Per-row request keys ``[B, 2]``: ``fold_in(PRNGKey(seed), offset + i)`` for an int seed
     (row identity = its index in the request list, not its batch slot), or
@@ -333,7 +342,7 @@ def request_keys(seed: int | Sequence[int], batch: int, offset: int = 0) -> jax.
         if len(seed) != batch:
             raise ValueError(f"got {len(seed)} seeds for {batch} prompts; pass one per prompt or a single int")
         return jnp.stack([jax.random.PRNGKey(int(s)) for s in seed])
-    base = jax.random.PRNGKey(int(seed))
+    base = seed_key(seed)
     # one vectorized fold_in (a Python loop of B eager fold_ins took 142 s for B = 4000)
     rows = jnp.asarray(np.arange(offset, offset + batch, dtype=np.uint32))
     return jax.vmap(lambda i: jax.random.fold_in(base, i))(rows)
