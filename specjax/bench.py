@@ -167,7 +167,10 @@ def filter_split(prompts: list[dict], spec: str | None) -> list[dict]:
         raise _usage(f"--split: cannot read {path} as JSON ({why})") from None
     if not isinstance(split, dict) or not isinstance(split.get(part), list):
         parts = sorted(k for k, v in split.items() if isinstance(v, list)) if isinstance(split, dict) else []
-        raise _usage(f"--split: {path} has no list {part!r}; it has {parts} (use FILE:PART, e.g. {path}:eval)")
+        if not parts:
+            raise _usage(f"--split: {path} is not a split file; expected a JSON object of question-id lists, "
+                         "e.g. {\"train\": [1, 2], \"eval\": [3]}")
+        raise _usage(f"--split: {path} has no list {part!r}; it has {parts} (use FILE:PART, e.g. {path}:{parts[0]})")
     ids = {i for i in split[part] if isinstance(i, (int, str))}
     kept = [p for p in prompts if p["question_id"] in ids]
     if not kept:
