@@ -137,6 +137,8 @@ def resolve(args, default_draft=None, need_draft: str | None = None) -> dict:
         "top_k": pick("top_k", 0),
         "top_p": pick("top_p", 1.0),
         "chat": bool(pick("chat", False)),
+        # given by the user (flag or config), not the default: only then is a cap worth a note
+        "max_new_tokens_given": getattr(args, "max_new_tokens", None) is not None or "max_new_tokens" in cfg,
     }
     if s["draft_dtype"] is None:
         s["draft_dtype"] = s["dtype"]
@@ -233,7 +235,8 @@ def load_target_and_drafter(s: dict, draft_spec=None, mesh=None):
     target = load_model(s["model"], dtype=s["dtype"]) if mesh is None else mesh.load_model(s["model"], dtype=s["dtype"])
     spec = s["draft"] if draft_spec is None else draft_spec
     drafter = load_drafter(spec, target, dtype=s["draft_dtype"])
-    note_context_cap(s["max_new_tokens"], target, drafter)
+    if s.get("max_new_tokens_given", True):
+        note_context_cap(s["max_new_tokens"], target, drafter)
     return target, drafter
 
 

@@ -83,6 +83,7 @@ def f(tmp_path_factory):
                      "draft": "5", "top_k": "2.5", "dtype": '"fp8"'}.items():
         out[f"toml_{key}"] = w(f"type_{key}.toml", f"{key} = {val}\n")
     out["split"] = w("split.json", json.dumps({"train": [0], "eval": [0]}))
+    out["trunc_gguf"] = w("trunc.gguf", open(loading.default_model_path(), "rb").read(100_000))
     return out
 
 
@@ -205,6 +206,7 @@ AT_LOAD = [
     ([*G, "--model", "{nokeys}"], ["nokeys/config.json", "missing key"]),
     ([*G, "--model", "{listcfg}"], ["listcfg/config.json", "JSON object"]),
     ([*G, "--model", "{emptydir}"], ["emptydir", "no config.json"]),
+    ([*G, "--model", "{trunc_gguf}"], ["trunc.gguf", "truncated or corrupt", "re-download"]),
     ([*G, "--model", "{bin}"], ["weights.bin", "pickle", "safetensors"]),
     ([*G, "--model", "{root}/missing/model"], ["model path not found"]),
     ([*G, "--model", "{good}", "--draft", "{small_vocab}"], ["64 tokens", "128", "no tokenizer"]),
@@ -255,6 +257,22 @@ def test_max_new_tokens_cap_note(capsys):
                    f"of {target.name} holds 16 tokens"]
     cli.note_context_cap(16, target)
     assert capsys.readouterr().err == ""
+
+
+def test_max_new_tokens_cap_note_end_to_end(tmp_path, capsys):
+    """The cap is kept (the run succeeds) and said once, on stderr, before the output."""
+    from test_cli import _word_tokenizer
+
+    m = tiny_model(seed=21, max_position_embeddings=16)
+    d = save_model(m.replace(tokenizer=_word_tokenizer(m.config.vocab_size)), str(tmp_path / "ctx16"))
+    rc = cli.main(["generate", "w3 w4 w5 w6", "--model", d, "--max-new-tokens", "1000000000", "--ignore-eos",
+                   "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert json.loads(out)["stats"]["new_tokens"] == 12  # 16-token context − 4 prompt tokens
+    notes = [ln for ln in err.splitlines() if ln.startswith("specjax: ")]
+    assert notes == ["specjax: note: --max-new-tokens 1000000000 is capped to 16 − the prompt length: the context "
+                     "of ctx16 holds 16 tokens"], err
 
 
 def test_distill_failed_run_does_not_block_rerun(f, no_load, capsys, tmp_path):
