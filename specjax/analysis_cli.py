@@ -290,6 +290,10 @@ def _jsonable(x):
 
 def cmd_analyze(args) -> int:
     numbers = args.alpha is not None or args.c is not None or args.v is not None
+    if args.plot:  # fail now, not after the measurements
+        from specjax.bench import check_writable
+
+        check_writable(args.plot, "--plot")
     if numbers:
         model_flags = [f for f in ("model", "draft", "prompts", "prompt", "config") if getattr(args, f, None)]
         if model_flags:

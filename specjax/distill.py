@@ -1090,6 +1090,8 @@ def bench(args) -> dict:
         raise DistillError(f"{out} exists and is not empty; choose a new --out for the benchmark results")
     check_args(args, export_only=True)
     gammas = _parse_gammas(args.bench_gammas)
+    if args.bench != "default" and not os.path.isdir(os.path.expanduser(args.bench)):
+        raise DistillError(f"--bench {args.bench}: no such drafter directory (a run's DIR/drafter, or 'default')")
     _check_out_dir(out)
     os.makedirs(out, exist_ok=True)
     target = load_model(args.model, dtype="float32")

@@ -159,6 +159,7 @@ EARLY = [
     (["analyze", "--prompt", "hi"], ["needs one drafter", "--draft"]),
     (["analyze", "--prompt", "hi", "--gamma", "3"], ["needs one drafter"]),
     (["analyze", "--prompt", "hi", "--draft", "ngram", "--top-p", "5"], ["--top-p"]),
+    (["analyze", "--prompt", "hi", "--draft", "ngram", "--plot", "{a_file}/plot.png"], ["--plot", "not a directory"]),
     # distill: checked before anything is written or loaded
     (["distill", "--out", "{root}/d_steps", "--prompts", "{ok_jsonl}", "--steps", "-5"], ["--steps", ">= 1", "-5"]),
     (["distill", "--out", "{root}/d_ck", "--prompts", "{ok_jsonl}", "--checkpoint-every", "0"], ["--checkpoint-every"]),
@@ -181,6 +182,8 @@ EARLY = [
     (["distill", "--out", "{a_file}/run", "--prompts", "{ok_jsonl}"], ["--out", "not a directory"]),
     (["distill", "--out", "{root}/d_bg", "--bench", "default", "--prompts", "{ok_jsonl}", "--split", "{split}",
       "--bench-gammas", "2,x"], ["--bench-gammas"]),
+    (["distill", "--out", "{root}/d_bn", "--bench", "{root}/nope", "--prompts", "{ok_jsonl}", "--split", "{split}"],
+     ["--bench", "no such drafter directory"]),
 ]
 
 
