@@ -107,7 +107,10 @@ def numbers_report(alpha: float, c: float, v: Any = None, gamma_max: int = NUMBE
     rows = analysis.theory_table(alpha, c, gammas, vv)
     search = gamma_max if isinstance(v, list) else max(gamma_max, 64)
     g_opt, s_opt = analysis.optimal_gamma(alpha, c, vv, max_gamma=search)
-    g_tb, s_tb = analysis.optimal_gamma(alpha, c, None, max_gamma=search if not isinstance(v, list) else max(gamma_max, 64))
+    tb_search = search if not isinstance(v, list) else max(gamma_max, 64)
+    g_tb, s_tb = analysis.optimal_gamma(alpha, c, None, max_gamma=tb_search)
+    why = None if isinstance(v, list) else _unbounded_reason(alpha, c, v, g_opt, search)
+    why_tb = _unbounded_reason(alpha, c, None, g_tb, tb_search)
     return {
         "mode": "numbers",
         "alpha": alpha,
@@ -115,12 +118,31 @@ def numbers_report(alpha: float, c: float, v: Any = None, gamma_max: int = NUMBE
         "v": v,
         "gamma_max": gamma_max,
         "table": rows,
-        "optimal_gamma": int(g_opt),
-        "optimal_speedup": float(s_opt),
-        "optimal_gamma_textbook": int(g_tb),
-        "optimal_speedup_textbook": float(s_tb),
+        "optimal_gamma": None if why else int(g_opt),
+        "optimal_speedup": None if why else float(s_opt),
+        "optimal_gamma_reason": why,
+        "optimal_gamma_textbook": None if why_tb else int(g_tb),
+        "optimal_speedup_textbook": None if why_tb else float(s_tb),
+        "optimal_gamma_textbook_reason": why_tb,
         "oracle_bound": float(analysis.oracle_bound(alpha)),
     }
+
+
+def _unbounded_reason(alpha: float, c: float, v, g_best: int, search: int) -> str | None:
+    """Why there is no finite optimal γ (``None`` when there is one): the speedup still grows
+    at the search limit — with α = 1 every draft is accepted (speedup → 1/c as γ → ∞), with
+    c = 0 drafting is free (speedup → the oracle bound 1/(1−α))."""
+    if g_best < search:
+        return None
+    if alpha >= 1.0 and c == 0.0:
+        return "unbounded: α = 1 and c = 0 (every draft accepted, drafting free), the speedup grows without limit in γ"
+    if alpha >= 1.0:
+        return (f"unbounded: α = 1 accepts every draft, so the speedup keeps growing with γ "
+                f"toward 1/c = {1 / c:.3f}× (no finite optimum; take γ as large as the context allows)")
+    if c == 0.0:
+        return (f"unbounded: c = 0 makes drafting free, so the speedup keeps growing with γ toward the oracle bound "
+                f"1/(1−α) = {1 / (1 - alpha):.3f}× (no finite optimum)")
+    return f"γ ≥ {search} (the search limit): the speedup still grows there"
 
 
 def _fmt(x, d=3):
@@ -139,9 +161,13 @@ def render_numbers(rep: dict) -> str:
         "",
         analysis.format_table(rep["table"]),
         "",
-        f"optimal γ = {rep['optimal_gamma']} (speedup {rep['optimal_speedup']:.3f}×); "
-        f"textbook (v = 1): γ = {rep['optimal_gamma_textbook']} ({rep['optimal_speedup_textbook']:.3f}×); "
-        f"oracle bound 1/(1−α) = {_fmt(rep['oracle_bound'])}",
+        (f"optimal γ: {rep['optimal_gamma_reason']}; " if rep.get("optimal_gamma_reason") else
+         f"optimal γ = {rep['optimal_gamma']} (speedup {rep['optimal_speedup']:.3f}×); ")
+        + ("textbook (v = 1): the same; " if rep.get("optimal_gamma_textbook_reason")
+           and rep.get("optimal_gamma_textbook_reason") == rep.get("optimal_gamma_reason")
+           else f"textbook (v = 1): {rep['optimal_gamma_textbook_reason']}; " if rep.get("optimal_gamma_textbook_reason")
+           else f"textbook (v = 1): γ = {rep['optimal_gamma_textbook']} ({rep['optimal_speedup_textbook']:.3f}×); ")
+        + f"oracle bound 1/(1−α) = {_fmt(rep['oracle_bound'])}",
     ]
     return "\n".join(lines)
 
@@ -235,7 +261,8 @@ def _plot(rep: dict, path: str) -> str:
             v = np.asarray(v, float)
         else:
             gm = rep["gamma_max"]
-        measured = [{"gamma": rep["optimal_gamma"], "speedup": rep["optimal_speedup"], "c": c, "label": "optimum"}]
+        measured = ([{"gamma": rep["optimal_gamma"], "speedup": rep["optimal_speedup"], "c": c, "label": "optimum"}]
+                    if rep["optimal_gamma"] is not None else [])
         return analysis.plot_speedup(path, alphas, cs, gm, v, measured)
     a, c = rep["alpha"]["alpha"], rep["c"]
     a = a if math.isfinite(a) else 0.0
@@ -264,6 +291,10 @@ def _jsonable(x):
 
 def cmd_analyze(args) -> int:
     numbers = args.alpha is not None or args.c is not None or args.v is not None
+    if args.plot:  # fail now, not after the measurements
+        from specjax.bench import check_writable
+
+        check_writable(args.plot, "--plot")
     if numbers:
         model_flags = [f for f in ("model", "draft", "prompts", "prompt", "config") if getattr(args, f, None)]
         if model_flags:
@@ -288,10 +319,8 @@ def run_models(args) -> dict:
     from specjax.cli import collect_prompts, load_target_and_drafter, resolve
     from specjax import measure
 
-    s = resolve(args)
-    if not s["draft"] or s["draft"] == "none":
-        raise _usage("analyze with models needs one drafter: --draft ngram[:N] | PATH_OR_ID "
-                     "(or give numbers only: --alpha A --c C)")
+    s = resolve(args, need_draft="analyze with models needs one drafter: --draft ngram[:N] | PATH_OR_ID "
+                                  "(or give numbers only: --alpha A --c C)")
     gmax = MODEL_GAMMA_MAX if args.gamma_max is None else args.gamma_max
     if gmax < 1:
         raise _usage(f"--gamma-max must be >= 1, got {gmax}")

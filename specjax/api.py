@@ -24,6 +24,30 @@ from specjax.sampling import SamplingParams
 DRAFT_CHOICES = "none, ngram[:N], default, or a drafter PATH_OR_ID"
 
 
+def check_draft_spec(spec: str | None) -> None:
+    """Validate a ``--draft`` value without loading anything (before the target loads).
+
+    Raises:
+      ValueError: an unknown spec, a bad n-gram size, or a drafter path that does not exist.
+    """
+    if spec is None or spec in ("none", "default"):
+        return
+    if not isinstance(spec, str):
+        raise ValueError(f"--draft must be a string ({DRAFT_CHOICES}), got {spec!r}")
+    if spec == "ngram" or spec.startswith("ngram:"):
+        n = spec.split(":", 1)[1] if ":" in spec else "3"
+        if not n.isdigit() or int(n) < 1:
+            raise ValueError(f"--draft {spec!r}: the n-gram size must be an integer >= 1, e.g. ngram:3")
+        return
+    path = os.path.expanduser(spec)
+    if os.path.exists(path):
+        return
+    if spec.endswith(".gguf") or spec.startswith((".", "/", "~")) or spec.count("/") > 1:
+        raise ValueError(f"--draft {spec!r}: no such file or directory; use {DRAFT_CHOICES}")
+    if spec.count("/") != 1:
+        raise ValueError(f"unknown --draft value {spec!r}; use {DRAFT_CHOICES}")
+
+
 def load_drafter(spec: str | None, target: Model, dtype: str = "float32"):
     """Build a drafter from a ``--draft`` value.
 
@@ -37,20 +61,15 @@ def load_drafter(spec: str | None, target: Model, dtype: str = "float32"):
       ValueError: an unknown spec (names the accepted values).
       CheckpointError: a drafter whose tokenizer differs, or real tokens beyond the target vocab.
     """
+    check_draft_spec(spec)
     if spec is None or spec == "none":
         return None
     if spec == "ngram" or spec.startswith("ngram:"):
-        n = spec.split(":", 1)[1] if ":" in spec else "3"
-        if not n.isdigit() or int(n) < 1:
-            raise ValueError(f"--draft {spec!r}: the n-gram size must be an integer >= 1, e.g. ngram:3")
-        return NgramDrafter(max_ngram=int(n))
+        return NgramDrafter(max_ngram=int(spec.split(":", 1)[1] if ":" in spec else "3"))
     if spec == "default":
         from specjax import shipped
 
         return shipped.load_default_drafter(target, dtype=dtype)
-    looks_like_path = os.path.exists(os.path.expanduser(spec)) or spec.endswith(".gguf") or spec.count("/") == 1
-    if not looks_like_path:
-        raise ValueError(f"unknown --draft value {spec!r}; use {DRAFT_CHOICES}")
     dm = load_model(spec, dtype=dtype)
     check_vocab_compatible(target.tokenizer, dm.tokenizer, target.config.vocab_size, dm.config.vocab_size)
     return ModelDrafter.from_model(dm, name=os.path.basename(os.path.normpath(spec)))
@@ -68,9 +87,16 @@ def read_prompts(path: str) -> list[dict]:
     """
     if not os.path.exists(path):
         raise ValueError(f"prompts file not found: {path}")
+    if os.path.isdir(path):
+        raise ValueError(f"--prompts {path} is a directory; give a JSONL file")
     out = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:  # a UTF-8 byte-order mark on the first line is accepted
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid UTF-8 (byte {e.start + 1} of the line); "
+                                 "save the file as UTF-8") from None
             if not line.strip():
                 continue
             try:
@@ -92,8 +118,11 @@ def read_prompts(path: str) -> list[dict]:
                 raise ValueError(f"{path}:{lineno}: missing field 'prompt' (a string) or 'turns' (Spec-Bench)")
             if not text.strip():
                 raise ValueError(f"{path}:{lineno}: the prompt is empty")
-            out.append({"prompt": text, "question_id": obj.get("question_id", len(out)),
-                        "category": obj.get("category", "all")})
+            qid = obj.get("question_id", len(out))
+            if isinstance(qid, (list, dict)):
+                raise ValueError(f"{path}:{lineno}: 'question_id' must be a number or a string")
+            out.append({"prompt": text, "question_id": qid,
+                        "category": str(obj.get("category", "all"))})
     if not out:
         raise ValueError(f"{path}: no prompts in the file (it is empty)")
     return out
@@ -302,14 +331,58 @@ def load_pair_config(name_or_path: str) -> dict[str, Any]:
         if not cand.is_file():
             names = sorted(p.name for p in shipped.iterdir() if p.name.endswith(".toml"))
             raise ValueError(f"config {name_or_path!r} not found; shipped configs: {', '.join(names)}")
-        text = cand.read_text()
-    else:
-        with open(path) as f:
-            text = f.read()
-    cfg = tomllib.loads(text)
+        path = str(cand)
+    if os.path.isdir(path):
+        raise ValueError(f"--config {path} is a directory; give a .toml file or a shipped config name")
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        cfg = tomllib.loads(data.decode("utf-8-sig"))
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{line}: not valid UTF-8; save the config as UTF-8") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{path}: not valid TOML ({e}); fix the syntax") from None
     allowed = {"model", "draft", "gamma", "temperature", "top_k", "top_p", "max_new_tokens", "dtype",
                "draft_dtype", "chat", "description"}
     unknown = set(cfg) - allowed
     if unknown:
         raise ValueError(f"config {name_or_path!r}: unknown key(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
+    for key, value in cfg.items():
+        check = _CONFIG_TYPES[key]
+        if not check[0](value):
+            raise ValueError(f"{path}: key {key!r} must be {check[1]}, got {type(value).__name__} {value!r}")
     return cfg
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _str_or_strs(v) -> bool:
+    return isinstance(v, str) or (isinstance(v, list) and bool(v) and all(isinstance(x, str) for x in v))
+
+
+def _gamma_ok(v) -> bool:
+    ok = lambda g: (_is_int(g) and g >= 1) or g == "auto"  # noqa: E731
+    return ok(v) or (isinstance(v, list) and bool(v) and all(_is_int(g) and g >= 1 for g in v))
+
+
+_DTYPES = ("float32", "bfloat16", "int8")
+_CONFIG_TYPES = {  # key: (check, expected type as the error says it)
+    "model": (lambda v: isinstance(v, str), "a string (a .gguf path, model directory or hub id)"),
+    "draft": (_str_or_strs, "a string (none, ngram[:N], default, a drafter path) or a list of them"),
+    "gamma": (_gamma_ok, "an integer >= 1, \"auto\", or a list of integers >= 1"),
+    "temperature": (_is_num, "a number >= 0 (0 = greedy)"),
+    "top_k": (_is_int, "an integer >= 0 (0 = off)"),
+    "top_p": (_is_num, "a number in (0, 1]"),
+    "max_new_tokens": (_is_int, "an integer >= 1"),
+    "dtype": (lambda v: v in _DTYPES, f"one of {', '.join(_DTYPES)}"),
+    "draft_dtype": (lambda v: v in _DTYPES, f"one of {', '.join(_DTYPES)}"),
+    "chat": (lambda v: isinstance(v, bool), "true or false"),
+    "description": (lambda v: isinstance(v, str), "a string"),
+}

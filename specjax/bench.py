@@ -160,14 +160,18 @@ def filter_split(prompts: list[dict], spec: str | None) -> list[dict]:
             raise _usage(f"--split: no such file: {path}")
         path = str(shipped)
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8-sig") as f:
             split = json.load(f)
     except (OSError, ValueError) as e:
-        raise _usage(f"--split: cannot read {path} as JSON ({e})") from None
+        why = e.strerror if isinstance(e, OSError) and e.strerror else " ".join(str(e).split())
+        raise _usage(f"--split: cannot read {path} as JSON ({why})") from None
     if not isinstance(split, dict) or not isinstance(split.get(part), list):
         parts = sorted(k for k, v in split.items() if isinstance(v, list)) if isinstance(split, dict) else []
-        raise _usage(f"--split: {path} has no list {part!r}; it has {parts}")
-    ids = set(split[part])
+        if not parts:
+            raise _usage(f"--split: {path} is not a split file; expected a JSON object of question-id lists, "
+                         "e.g. {\"train\": [1, 2], \"eval\": [3]}")
+        raise _usage(f"--split: {path} has no list {part!r}; it has {parts} (use FILE:PART, e.g. {path}:{parts[0]})")
+    ids = {i for i in split[part] if isinstance(i, (int, str))}
     kept = [p for p in prompts if p["question_id"] in ids]
     if not kept:
         raise _usage(f"--split: none of the prompts has a question_id in {path}:{part}")
@@ -191,6 +195,39 @@ def check_out_path(path: str | None, force: bool) -> None:
         raise _usage(f"--out {path} exists; choose another file or pass --force to overwrite it")
     if path and os.path.isdir(path):
         raise _usage(f"--out {path} is a directory; give a file name")
+
+
+def check_writable(path: str | None, flag: str = "--out") -> None:
+    """Fail now, not after the work, when ``path`` cannot be written: create its parent
+    directory, open and remove a temporary file there (directories it created for a
+    failed check are removed again).
+
+    Raises:
+      UsageError: naming the path and why (a file in the way, permission denied, …).
+    """
+    if not path:
+        return
+    d = os.path.dirname(os.path.abspath(path))
+    created = []
+    probe = os.path.join(d, f".specjax-write-check-{os.getpid()}")
+    try:
+        cur = d
+        while not os.path.exists(cur):
+            created.append(cur)
+            cur = os.path.dirname(cur)
+        if not os.path.isdir(cur):
+            raise _usage(f"{flag} {path}: {cur} is a file, not a directory; choose another path")
+        os.makedirs(d, exist_ok=True)
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        for c in created:
+            try:
+                os.rmdir(c)
+            except OSError:
+                pass
+        raise _usage(f"{flag} {path}: cannot write there ({e.strerror or e}); choose a writable path") from None
 
 
 def write_json(path: str, obj: Any, force: bool) -> None:
@@ -472,7 +509,7 @@ def run_bench(
     from tqdm import tqdm
 
     from specjax.api import encode_prompts
-    from specjax.decode import Decoder
+    from specjax.decode import Decoder, seed_key
     from specjax.loading import load_model
     from specjax.models import llama
     from specjax.sampling import SamplingParams
@@ -527,7 +564,7 @@ def run_bench(
             def gen(dec, bi):
                 idx = batches[bi]
                 sp = SamplingParams.create(len(idx), temperature, top_k, top_p)
-                keys = jax.numpy.stack([jax.random.fold_in(jax.random.PRNGKey(seed), i) for i in idx])
+                keys = jax.numpy.stack([jax.random.fold_in(seed_key(seed), i) for i in idx])
                 t0 = time.perf_counter()
                 res = dec.generate([ids[i] for i in idx], max_new_tokens=max_new_tokens, sampling=sp, keys=keys,
                                    eos_ids=[] if ignore_eos else None)
@@ -620,7 +657,7 @@ def cmd_bench(args) -> int:
     args.dtype = None  # resolve() handles one format; bench loops over several
     chat_flag = args.chat
     args.chat = None
-    s = resolve(args)
+    s = resolve(args, default_draft="ngram")
     cfg = load_pair_config(args.config) if args.config else {}
     dtypes = list(dtypes_flag) if dtypes_flag else [cfg.get("dtype", "float32")]
     chat = chat_flag if chat_flag is not None else bool(cfg.get("chat", True))
@@ -643,6 +680,7 @@ def cmd_bench(args) -> int:
         gammas.append(v)
 
     prompts = select_prompts(filter_split(read_prompts(args.prompts), args.split), args.categories, args.limit)
+    check_writable(args.out)  # before the benchmark runs, not after
     results = run_bench(
         prompts, model=s["model"], drafts=drafts, gammas=gammas, dtypes=dtypes, draft_dtype=draft_dtype,
         temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"], seed=args.seed,

@@ -22,6 +22,60 @@ class UsageError(ValueError):
     """A bad command-line value (reported as one line, exit status 2)."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse errors as one line ``specjax: error: …`` (exit status 2) naming the command and
+    pointing at ``--help``, instead of a usage block (subparsers inherit this class)."""
+
+    def error(self, message):
+        self.exit(2, f"specjax: error: {self.prog}: {message} (see `{self.prog} --help`)\n")
+
+
+def note(msg: str) -> None:
+    """One stderr line ``specjax: note: …`` (something was adjusted, nothing failed)."""
+    print(f"specjax: note: {msg}", file=sys.stderr)
+
+
+def describe_error(e: BaseException) -> str:
+    """The one-line text of a user-facing error: OS errors name the path and say what to do;
+    file-format errors (not UTF-8, bad TOML/JSON, a corrupt safetensors file) name the file
+    where the raiser did not."""
+    import tomllib
+
+    if isinstance(e, OSError) and e.filename is not None and not isinstance(e, FileNotFoundError):
+        path = e.filename
+        fix = {
+            IsADirectoryError: "it is a directory; give a file",
+            NotADirectoryError: "a part of the path is a file, not a directory; choose another path",
+            PermissionError: "permission denied; choose a path you may read/write or fix its permissions",
+            FileExistsError: "it already exists; choose another path",
+        }.get(type(e), f"{e.strerror or e}")
+        return f"{path}: {fix}"
+    if isinstance(e, FileNotFoundError) and e.filename is not None:
+        return f"{e.filename}: no such file or directory; check the path"
+    if isinstance(e, UnicodeDecodeError):
+        return f"input is not valid UTF-8 ({e.reason} at byte {e.start}); save it as UTF-8"
+    if isinstance(e, tomllib.TOMLDecodeError):
+        return f"not valid TOML ({e}); fix the syntax"
+    if isinstance(e, json.JSONDecodeError):
+        return f"not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); fix the syntax"
+    if type(e).__name__ == "SafetensorError":
+        return f"a safetensors file is truncated or corrupt ({e}); re-download or re-save the checkpoint"
+    return str(e)
+
+
+def _user_errors() -> tuple:
+    """Exception types ``main()`` reports as one line: usage, checkpoint and file-format errors
+    (all ValueError subclasses: JSON, TOML, UnicodeDecodeError), OS errors, SafetensorError."""
+    types = [UsageError, ValueError, CheckpointError, OSError]
+    try:
+        from safetensors import SafetensorError
+
+        types.append(SafetensorError)
+    except ImportError:  # pragma: no cover
+        pass
+    return tuple(types)
+
+
 def enable_compilation_cache(path: str | None = None) -> None:
     """Persistent JAX compilation cache (``$SPECJAX_CACHE`` or ``~/.cache/specjax/jax``)."""
     import jax
@@ -61,8 +115,11 @@ def add_model_args(p: argparse.ArgumentParser, multi_draft: bool = False) -> Non
     p.add_argument("--mesh", default=None, help="device mesh, e.g. data=2,model=4 (default: one device)")
 
 
-def resolve(args) -> dict:
-    """Merge ``--config`` with explicit flags (flags win) into plain settings."""
+def resolve(args, default_draft=None, need_draft: str | None = None) -> dict:
+    """Merge ``--config`` with explicit flags (flags win) into plain settings, and validate
+    every setting (sampling, ``--draft``, ``--gamma``, ``--seed``, ``--batch-size``, ``--mesh``)
+    before anything expensive runs. ``default_draft``: the drafter when none is given;
+    ``need_draft``: the error message when a drafter is required and none is given."""
     from specjax.api import load_pair_config
 
     cfg = load_pair_config(args.config) if args.config else {}
@@ -83,9 +140,29 @@ def resolve(args) -> dict:
         "top_p": pick("top_p", 1.0),
         "chat": pick("chat", None),  # None: the command's default (generate: the model's template if any)
         "parse_special": bool(pick("parse_special", True)),
+        # given by the user (flag or config), not the default: only then is a cap worth a note
+        "max_new_tokens_given": getattr(args, "max_new_tokens", None) is not None or "max_new_tokens" in cfg,
     }
     if s["draft_dtype"] is None:
         s["draft_dtype"] = s["dtype"]
+    if s["draft"] is None:
+        s["draft"] = default_draft
+    if need_draft and s["draft"] in (None, "none", [], ["none"]):
+        raise UsageError(need_draft)
+    _check_settings(args, s)
+    return s
+
+
+def _finite(name: str, v) -> None:
+    if v != v or v in (float("inf"), float("-inf")):
+        raise UsageError(f"{name} must be a finite number, got {v}")
+
+
+def _check_settings(args, s: dict) -> None:
+    from specjax.api import check_draft_spec
+
+    _finite("--temperature", s["temperature"])
+    _finite("--top-p", s["top_p"])
     if s["max_new_tokens"] < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {s['max_new_tokens']}")
     if s["temperature"] < 0:
@@ -96,7 +173,26 @@ def resolve(args) -> dict:
         raise UsageError(f"--top-k must be >= 0 (0 = off), got {s['top_k']}")
     if getattr(args, "batch_size", 1) < 1:
         raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
-    return s
+    from specjax.decode import SEED_LIMIT
+
+    seed = getattr(args, "seed", 0)
+    if not 0 <= seed < SEED_LIMIT:
+        raise UsageError(f"--seed must be an integer in [0, 2**64), got {seed}")
+    drafts = s["draft"] if isinstance(s["draft"], (list, tuple)) else [s["draft"]]
+    for d in drafts:
+        check_draft_spec(d)
+    gammas = s["gamma"] if isinstance(s["gamma"], (list, tuple)) else [s["gamma"]]
+    for g in gammas:
+        parse_gamma(g)
+    if all(d in (None, "none") for d in drafts) and s["gamma"] is not None:
+        if "auto" in gammas:
+            raise UsageError("--gamma auto needs a drafter; add --draft ngram (or default, or a drafter path)")
+        note(f"--gamma {' '.join(str(g) for g in gammas)} has no effect without a drafter "
+             "(autoregressive decoding); add --draft ngram (or default, or a drafter path) to speculate")
+    if getattr(args, "mesh", None):
+        from specjax import sharding
+
+        sharding.MeshSpec.parse(args.mesh)
 
 
 def parse_gamma(value, default=4) -> int | str:
@@ -126,6 +222,11 @@ def collect_prompts(args) -> list[dict]:
     if not prompts:
         raise UsageError("no prompt given; pass PROMPT, --prompt P or --prompts FILE")
     for i, p in enumerate(prompts):
+        try:
+            p["prompt"].encode("utf-8")
+        except UnicodeEncodeError:  # argv bytes that are not UTF-8 arrive as lone surrogates
+            raise UsageError(f"prompt {i} is not valid UTF-8 text; pass the prompt in UTF-8 "
+                             "(or put it in a UTF-8 --prompts file)") from None
         if not p["prompt"].strip():
             raise UsageError(f"prompt {i} is empty; give a non-empty prompt")
     return prompts
@@ -139,6 +240,8 @@ def load_target_and_drafter(s: dict, draft_spec=None, mesh=None):
     target = load_model(s["model"], dtype=s["dtype"]) if mesh is None else mesh.load_model(s["model"], dtype=s["dtype"])
     spec = s["draft"] if draft_spec is None else draft_spec
     drafter = load_drafter(spec, target, dtype=s["draft_dtype"])
+    if s.get("max_new_tokens_given", True):
+        note_context_cap(s["max_new_tokens"], target, drafter)
     return target, drafter
 
 
@@ -160,19 +263,24 @@ def generate_prompts(args) -> list[dict]:
     return collect_prompts(args)
 
 
+def note_context_cap(max_new_tokens: int, target, drafter=None) -> None:
+    """A ``specjax: note:`` when ``--max-new-tokens`` exceeds the context (it is capped there)."""
+    lim = target.config.max_position_embeddings
+    dcfg = getattr(drafter, "config", None)
+    lim = min(lim, getattr(dcfg, "max_position_embeddings", lim) or lim)
+    if max_new_tokens > lim:
+        note(f"--max-new-tokens {max_new_tokens} is capped to {lim} − the prompt length: the context of "
+             f"{target.name}{' and its drafter' if lim < target.config.max_position_embeddings else ''} "
+             f"holds {lim} tokens")
+
+
 def cmd_generate(args) -> int:
     from specjax.api import generate_text
     from specjax.progress import Progress, phase
 
-    from specjax.decode import seed_key
-
     s = resolve(args)
     prompts = generate_prompts(args)
     gamma = parse_gamma(s["gamma"])
-    try:
-        seed_key(args.seed)
-    except ValueError as e:
-        raise UsageError(f"--seed: {e}") from None
     if args.logprobs is not None and args.logprobs < 0:
         raise UsageError(f"--logprobs must be an integer >= 0 (top alternatives per token), got {args.logprobs}")
     if any(not x for x in args.stop or []):
@@ -237,7 +345,7 @@ def cmd_generate(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specjax", description="Exact speculative decoding in JAX.")
+    parser = _Parser(prog="specjax", description="Exact speculative decoding in JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text (autoregressive or speculative)")
     g.add_argument("prompt_pos", nargs="?", metavar="PROMPT",
@@ -266,16 +374,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    """Run the command line; a user error is one line ``specjax: error: …`` and exit status 2
+    (``SPECJAX_DEBUG=1`` re-raises it with its traceback)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if not os.environ.get("SPECJAX_NO_CACHE"):
-        enable_compilation_cache()
     try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 2
+    try:
+        if not os.environ.get("SPECJAX_NO_CACHE"):
+            enable_compilation_cache()
         return args.func(args) or 0
-    except (UsageError, ValueError, CheckpointError, FileNotFoundError) as e:
+    except _user_errors() as e:
         if os.environ.get("SPECJAX_DEBUG"):
             raise
-        print(f"specjax: error: {e}", file=sys.stderr)
+        msg = " ".join(describe_error(e).split())  # one line, whatever the raiser wrote
+        print(f"specjax: error: {msg}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("specjax: interrupted", file=sys.stderr)

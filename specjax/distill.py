@@ -60,25 +60,68 @@ RUN_KEYS = ("model", "prompts", "split", "steps", "seed", "batch_size", "lr", "e
 def read_records(path: str) -> list[dict]:
     """JSONL records: Spec-Bench (``question_id``, ``category``, ``turns``), ``prompt`` text,
     or ``ids`` (a token-id list, for models without a tokenizer)."""
+    if not os.path.exists(path):
+        raise ValueError(f"prompts file not found: {path}")
+    if os.path.isdir(path):
+        raise ValueError(f"--prompts {path} is a directory; give a JSONL file")
     out = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:  # a UTF-8 byte-order mark on the first line is accepted
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid UTF-8 (byte {e.start + 1} of the line); "
+                                 "save the file as UTF-8") from None
             if not line.strip():
                 continue
-            o = json.loads(line)
-            rec = {"question_id": o.get("question_id", len(out)), "category": o.get("category", "all")}
+            try:
+                o = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}); each line must be one JSON object") from None
+            if not isinstance(o, dict):
+                raise ValueError(f"{path}:{lineno}: expected a JSON object with 'ids', 'turns' or 'prompt'")
+            rec = {"question_id": o.get("question_id", len(out)), "category": str(o.get("category", "all"))}
             if "ids" in o:
+                if not isinstance(o["ids"], list) or not o["ids"] or not all(
+                        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in o["ids"]):
+                    raise ValueError(f"{path}:{lineno}: 'ids' must be a non-empty list of token ids (integers >= 0)")
                 rec["ids"] = [int(i) for i in o["ids"]]
             elif "turns" in o:
-                rec["turns"] = list(o["turns"])
+                t = o["turns"]
+                if not isinstance(t, list) or not t or not all(isinstance(x, str) and x.strip() for x in t):
+                    raise ValueError(f"{path}:{lineno}: 'turns' must be a non-empty list of non-empty strings")
+                rec["turns"] = list(t)
             elif "prompt" in o:
+                if not isinstance(o["prompt"], str) or not o["prompt"].strip():
+                    raise ValueError(f"{path}:{lineno}: 'prompt' must be a non-empty string")
                 rec["turns"] = [o["prompt"]]
             else:
                 raise ValueError(f"{path}:{lineno}: need 'ids', 'turns' or 'prompt'")
             out.append(rec)
     if not out:
-        raise ValueError(f"{path}: no prompts")
+        raise ValueError(f"{path}: no prompts in the file (it is empty)")
     return out
+
+
+def read_split(path: str) -> dict:
+    """``{"train": [ids], "eval": [ids]}`` from a split JSON file.
+
+    Raises:
+      DistillError: naming the file: unreadable, not JSON, or without the two lists.
+    """
+    if not os.path.isfile(path):
+        raise DistillError(f"--split {path}: no such file; give a JSON file {{'train': [ids], 'eval': [ids]}}")
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            split = json.load(f)
+    except json.JSONDecodeError as e:
+        raise DistillError(f"{path}:{e.lineno}: not valid JSON ({e.msg}); --split needs "
+                           "{'train': [ids], 'eval': [ids]}") from None
+    except UnicodeDecodeError:
+        raise DistillError(f"--split {path}: not valid UTF-8; save it as UTF-8") from None
+    if not isinstance(split, dict) or not all(isinstance(split.get(k), list) for k in ("train", "eval")):
+        raise DistillError(f"--split {path}: expected a JSON object with lists 'train' and 'eval' (question ids)")
+    return split
 
 
 def make_split(records: list[dict], per_category: int = 5, small_category: int = 1, seed: int = 0) -> dict:
@@ -739,6 +782,76 @@ def _log(msg):
     print(f"[distill {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+# (option, smallest allowed value, what it means) for distill's numeric options
+_MIN = [("steps", 1, "training steps"), ("batch_size", 1, "windows per step"), ("warmup", 0, "warm-up steps"),
+        ("eval_every", 0, "steps between evaluations, 0 = off"), ("checkpoint_every", 1, "steps between checkpoints"),
+        ("onpolicy_after", 0, "steps"), ("gamma", 1, "draft tokens per round"), ("sub_vocab", 1, "head rows"),
+        ("intermediate", 1, "MLP width"), ("copy_ngram", 0, "0 = none"), ("self_prompts", 0, "prompts"),
+        ("window", 2, "positions per window"), ("max_new_tokens", 1, "tokens"), ("max_prompt_tokens", 1, "tokens"),
+        ("gen_batch", 1, "prompts per batch"), ("samples_per_prompt", 1, "continuations"),
+        ("topk", 1, "probabilities per position"), ("bench_per_category", 0, "0 = all"), ("bench_limit", 0, "0 = all")]
+_NONNEG_FLOATS = [("lr", False), ("weight_decay", True), ("data_temperature", True), ("ce_weight", True),
+                  ("unroll_weight", True)]
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def check_args(s, export_only: bool = False) -> None:
+    """Validate distill's options before anything is written or loaded.
+
+    Raises:
+      DistillError: a numeric option out of range, a conflicting combination, or a missing file.
+    """
+    import math
+
+    for name, lo, what in _MIN:
+        v = getattr(s, name, None)
+        if v is None or (name == "steps" and export_only):
+            continue
+        if v < lo:
+            raise DistillError(f"{_flag(name)} must be an integer >= {lo} ({what}), got {v}")
+    for name, zero_ok in _NONNEG_FLOATS:
+        v = getattr(s, name, None)
+        if v is not None and not (math.isfinite(v) and (v >= 0 if zero_ok else v > 0)):
+            raise DistillError(f"{_flag(name)} must be a finite number {'>= 0' if zero_ok else '> 0'}, got {v}")
+    seed = getattr(s, "seed", 0)
+    if not 0 <= seed < 2**64:
+        raise DistillError(f"--seed must be in [0, 2**64), got {seed}")
+    if getattr(s, "copy_ngram", 0) and s.data != "target":
+        raise DistillError("--copy-ngram trains on target data only (--data target): on-policy generation has no "
+                           "copy term yet")
+    if getattr(s, "copy_ngram", 0) and s.ce != "full":
+        raise DistillError("--copy-ngram needs --ce full (the copy term competes with the whole sub-vocabulary)")
+    if getattr(s, "train_only", None) == "copy" and not (s.copy_ngram and s.init_from):
+        raise DistillError("--train-only copy fits the copy term of a trained drafter: give --copy-ngram N and "
+                           "--init-from DRAFTER_DIR")
+    if getattr(s, "data", "target") in ("drafter", "both") and not 0 < s.onpolicy_after < s.steps:
+        raise DistillError(f"--data {s.data} needs 0 < --onpolicy-after < --steps (steps trained on target data "
+                           "before the drafter generates its own)")
+    given = [s.data_dir] if isinstance(getattr(s, "data_dir", None), str) else list(getattr(s, "data_dir", None) or [])
+    for x in given:
+        if not os.path.isdir(os.path.abspath(x)):
+            raise DistillError(f"--data-dir {x}: no data set there (a run's DIR/data)")
+    if getattr(s, "init_from", None) and not os.path.isdir(os.path.expanduser(s.init_from)):
+        raise DistillError(f"--init-from {s.init_from}: no such drafter directory")
+    if s.prompts is None:
+        raise DistillError("--prompts FILE is required (JSONL: Spec-Bench 'turns', 'prompt' or 'ids')")
+    records = read_records(s.prompts)
+    if s.split:
+        split = read_split(s.split)
+        ids = {r["question_id"] for r in records}
+        if not ids & set(x for x in split["train"] + split["eval"] if isinstance(x, (int, str))):
+            raise DistillError(f"--split {s.split}: none of its question ids is in {s.prompts}")
+
+
+def _not_started(out: str) -> bool:
+    """A run directory holding only ``run.json``: the settings were written, then the run
+    failed or was stopped before making anything (e.g. during the model load)."""
+    return os.path.isdir(out) and os.listdir(out) == ["run.json"]
+
+
 def run(args) -> dict:
     import jax
     import jax.numpy as jnp
@@ -750,7 +863,10 @@ def run(args) -> dict:
     out = os.path.abspath(args.out)
     run_file = os.path.join(out, "run.json")
     settings = {k: getattr(args, k) for k in RUN_KEYS}
-    if os.path.exists(out) and os.listdir(out):
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise DistillError(f"--out {out} is a file; give a directory for the run")
+    resuming = os.path.exists(out) and bool(os.listdir(out)) and not _not_started(out)
+    if resuming:
         if not args.resume:
             raise DistillError(f"{out} exists and is not empty; pass --resume to continue that run, "
                                "or choose a new --out (nothing there is overwritten)")
@@ -759,23 +875,25 @@ def run(args) -> dict:
         with open(run_file) as f:
             saved = json.load(f)
         settings = {k: saved.get(k, v) for k, v in settings.items()}
+    s = argparse.Namespace(**settings)
+    check_args(s, export_only=getattr(args, "export_only", False))  # before anything is written or loaded
+    if resuming:
         _log(f"resuming the run in {out}")
     else:
-        if args.resume:
+        if _not_started(out):
+            _log(f"{out} holds only the run.json of a run that never started; starting it anew")
+        elif args.resume:
             _log(f"--resume: {out} is empty, starting a new run")
+        _check_out_dir(out)
         os.makedirs(out, exist_ok=True)
         with open(run_file + ".tmp", "w") as f:
             json.dump(settings, f, indent=2)
         os.replace(run_file + ".tmp", run_file)
-    s = argparse.Namespace(**settings)
-    if s.prompts is None:
-        raise DistillError("--prompts FILE is required (JSONL: Spec-Bench 'turns', 'prompt' or 'ids')")
 
     target = load_model(s.model, dtype="float32")
     records = read_records(s.prompts)
     if s.split:
-        with open(s.split) as f:
-            split = json.load(f)
+        split = read_split(s.split)
     else:
         split = make_split(records, seed=0)
     tr_ids, ev_ids = set(split["train"]), set(split["eval"])
@@ -783,21 +901,9 @@ def run(args) -> dict:
         raise DistillError(f"the split is not disjoint: {sorted(tr_ids & ev_ids)[:5]} in both")
     chat = bool(s.chat) and target.tokenizer is not None and target.tokenizer.chat_template is not None
 
-    if s.copy_ngram and s.data != "target":
-        raise DistillError("--copy-ngram trains on target data only (--data target): on-policy generation has no "
-                           "copy term yet")
-    if s.copy_ngram and s.ce != "full":
-        raise DistillError("--copy-ngram needs --ce full (the copy term competes with the whole sub-vocabulary)")
-    if s.train_only == "copy" and not (s.copy_ngram and s.init_from):
-        raise DistillError("--train-only copy fits the copy term of a trained drafter: give --copy-ngram N and "
-                           "--init-from DRAFTER_DIR")
-
     # ---- data
     given = [s.data_dir] if isinstance(s.data_dir, str) else list(s.data_dir or [])
     data_dirs = [os.path.abspath(x) for x in given] or [os.path.join(out, "data")]
-    for x, a in zip(given, data_dirs):
-        if not os.path.isdir(a):
-            raise DistillError(f"--data-dir {x}: no data set there (a run's DIR/data)")
     data_dir = data_dirs[0]
     if not given:
         recs = [r for r in records if r["question_id"] in tr_ids or r["question_id"] in ev_ids]
@@ -877,9 +983,6 @@ def run(args) -> dict:
     bs = s.batch_size
     ds = {"seqs": seqs, "data": data, "windows": windows}
     onpolicy = s.data in ("drafter", "both") and 0 < s.onpolicy_after < s.steps
-    if s.data in ("drafter", "both") and not onpolicy:
-        raise DistillError(f"--data {s.data} needs 0 < --onpolicy-after < --steps (steps trained on target data "
-                           "before the drafter generates its own)")
 
     def add_onpolicy():
         """Drafter-generated, target-scored sequences from the train prompts (params of step
@@ -982,13 +1085,19 @@ def bench(args) -> dict:
     from specjax.loading import load_model, truncate_model
 
     out = os.path.abspath(args.out)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise DistillError(f"--out {out} is a file; give a directory for the benchmark results")
     if os.path.exists(out) and os.listdir(out):
         raise DistillError(f"{out} exists and is not empty; choose a new --out for the benchmark results")
+    check_args(args, export_only=True)
+    gammas = _parse_gammas(args.bench_gammas)
+    if args.bench != "default" and not os.path.isdir(os.path.expanduser(args.bench)):
+        raise DistillError(f"--bench {args.bench}: no such drafter directory (a run's DIR/drafter, or 'default')")
+    _check_out_dir(out)
     os.makedirs(out, exist_ok=True)
     target = load_model(args.model, dtype="float32")
     records = read_records(args.prompts)
-    with open(args.split) as f:
-        ev = set(json.load(f)["eval"])
+    ev = set(x for x in read_split(args.split)["eval"] if isinstance(x, (int, str)))
     recs = [r for r in records if r["question_id"] in ev]
     if args.bench_per_category:
         seen = Counter()
@@ -1001,7 +1110,6 @@ def bench(args) -> dict:
     if args.bench_limit:
         recs = recs[: args.bench_limit]
     prompts = [_encode(target, r, True) for r in recs]
-    gammas = [int(g) for g in args.bench_gammas.split(",")]
     import specjax.decode as sd
 
     saved_bucket = sd.PROMPT_BUCKET
@@ -1066,6 +1174,26 @@ def _bench_run(args, out, target, recs, prompts, gammas):
     if mismatches:
         print(f"MISMATCH vs autoregressive: {mismatches}")
     return result
+
+
+def _parse_gammas(text: str) -> list[int]:
+    try:
+        gammas = [int(g) for g in str(text).split(",")]
+    except ValueError:
+        gammas = []
+    if not gammas or min(gammas) < 1:
+        raise DistillError(f"--bench-gammas must be comma-separated integers >= 1, e.g. 2,3,4; got {text!r}")
+    return gammas
+
+
+def _check_out_dir(out: str) -> None:
+    """Fail before any work when the run directory cannot be created or written."""
+    from specjax.bench import check_writable
+
+    try:
+        check_writable(os.path.join(out, "run.json"))
+    except ValueError as e:
+        raise DistillError(str(e).replace(f"--out {os.path.join(out, 'run.json')}", f"--out {out}")) from None
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

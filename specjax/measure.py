@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import analysis
-from specjax.decode import BUFFER_BUCKET, Decoder, _bucket, prompt_bucket
+from specjax.decode import BUFFER_BUCKET, Decoder, _bucket, prompt_bucket, seed_key
 from specjax.drafters.base import DraftContext
 from specjax.drafters.model import ModelDrafter, fit_vocab
 from specjax.models import llama
@@ -217,7 +217,7 @@ def measure_alpha(
     else:
         sp1 = _sampling(1, temperature, top_k, top_p)
         spw = _sampling(width, temperature, top_k, top_p)
-        keys = jax.vmap(lambda i: jax.random.split(jax.random.fold_in(jax.random.PRNGKey(seed), i), 1))(
+        keys = jax.vmap(lambda i: jax.random.split(jax.random.fold_in(seed_key(seed), i), 1))(
             jnp.arange(width))
         for i, s in _progress(enumerate(seqs), "alpha", total=len(seqs), enabled=progress):
             tok = np.zeros((1, length), np.int32)

@@ -21,10 +21,20 @@ def check_vocab_compatible(target_tok, draft_tok, target_vocab: int, draft_vocab
     vocabulary longer than the target's is allowed only where the extra rows are
     padding (no token string behind them).
 
+    Without a tokenizer on either side the vocabulary sizes must be equal.
+
     Raises:
-      CheckpointError: naming the first id that differs, or the real tokens beyond the target's vocab.
+      CheckpointError: naming the first id that differs, the real tokens beyond the target's
+        vocab, or (a side without a tokenizer) both vocabulary sizes.
     """
     if target_tok is None or draft_tok is None:
+        if target_vocab != draft_vocab:  # nothing to compare ids with: the sizes must agree
+            which = "the drafter" if draft_tok is None else "the target"
+            raise CheckpointError(
+                f"the drafter's vocabulary has {draft_vocab} tokens but the target's has {target_vocab}, and "
+                f"{which} has no tokenizer to check that they share token ids; use a drafter with the "
+                "target's vocabulary (and its tokenizer.json), or --draft ngram"
+            )
         return
     tv = {i: t for t, i in target_tok.vocab().items()}
     dv = {i: t for t, i in draft_tok.vocab().items()}

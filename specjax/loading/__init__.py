@@ -221,14 +221,22 @@ def iter_hf_tensors(path: str, cfg: ModelConfig):
     from safetensors import safe_open
 
     for file in _safetensor_files(path):
-        with safe_open(file, framework="flax") as f:
-            for name in f.keys():
-                target = _hf_tensor_path(name, cfg)
-                if target is None:
-                    continue
-                p, tr = target
-                t = f.get_tensor(name)
-                yield p, (t.T if tr else t)
+        try:
+            with safe_open(file, framework="flax") as f:
+                for name in f.keys():
+                    target = _hf_tensor_path(name, cfg)
+                    if target is None:
+                        continue
+                    p, tr = target
+                    t = f.get_tensor(name)
+                    yield p, (t.T if tr else t)
+        except CheckpointError:
+            raise
+        except Exception as e:  # safetensors.SafetensorError, or an OSError from the mmap
+            if type(e).__name__ != "SafetensorError" and not isinstance(e, (OSError, ValueError)):
+                raise
+            raise CheckpointError(f"{file}: not a readable safetensors file, truncated or corrupt "
+                                  f"({' '.join(str(e).split())}); re-download or re-save the checkpoint") from None
 
 
 def _resolve_hub(model_id: str) -> str:
@@ -302,8 +310,7 @@ def load_model(
         cfg_file = os.path.join(path, "config.json")
         if not os.path.exists(cfg_file):
             raise CheckpointError(f"{path} has no config.json")
-        with open(cfg_file) as f:
-            cfg = ModelConfig.from_hf_config(json.load(f))
+        cfg = _read_hf_config(cfg_file)
         graphdef, params = assemble_params(cfg, iter_hf_tensors(path, cfg), dtype, place, path)
         tok = Tokenizer.from_dir(path) if os.path.exists(os.path.join(path, "tokenizer.json")) else None
         if tok is not None and not cfg.eos_token_ids and tok.eos_token_ids:
@@ -341,6 +348,32 @@ def load_tokenizer(path_or_id: str | None = None) -> Tokenizer | None:
             raise CheckpointError(f"model path not found: {path!r}")
         path = _resolve_hub(path_or_id)
     return Tokenizer.from_dir(path) if os.path.exists(os.path.join(path, "tokenizer.json")) else None
+
+
+def _read_hf_config(cfg_file: str) -> ModelConfig:
+    """``ModelConfig`` from a ``config.json``; a file that is not UTF-8 JSON, not an object, or
+    lacks / mistypes a key raises :class:`CheckpointError` naming the file (and the line)."""
+    with open(cfg_file, "rb") as f:
+        raw = f.read()
+    try:
+        d = json.loads(raw.decode("utf-8-sig"))
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise CheckpointError(f"{cfg_file}:{line}: not valid UTF-8; "
+                              "re-download or re-save the checkpoint") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_file}:{e.lineno}: not valid JSON ({e.msg}, column {e.colno}); "
+                              "fix the file or re-download the checkpoint") from None
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{cfg_file}: expected a JSON object (a Hugging Face config), got {type(d).__name__}")
+    try:
+        return ModelConfig.from_hf_config(d)
+    except CheckpointError:
+        raise
+    except KeyError as e:
+        raise CheckpointError(f"{cfg_file}: missing key {e.args[0]!r}; not a complete Hugging Face config") from None
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+        raise CheckpointError(f"{cfg_file}: a value has the wrong type or range ({e})") from None
 
 
 def _looks_like_hub_id(s: str) -> bool:

@@ -39,7 +39,8 @@ def open_gguf(path: str):
     try:
         return gguf.GGUFReader(path)
     except Exception as e:  # gguf raises ValueError/struct errors on bad files
-        raise CheckpointError(f"{path} is not a readable GGUF file ({e}).") from e
+        raise CheckpointError(f"{path} is not a readable GGUF file, truncated or corrupt ({e}); "
+                              "re-download it or convert the model again") from e
 
 
 def config_from_gguf(reader) -> ModelConfig:

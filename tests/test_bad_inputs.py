@@ -1,0 +1,307 @@
+"""Issue 15: every bad input is one line ``specjax: error: …`` (naming the problem, the file
+and line where there is one, and the fix), exit status 2, no traceback — and it is found
+before anything expensive: where the input can be checked up front the model loader is
+replaced by one that fails the test if it is called."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+
+import pytest
+from conftest import tiny_model
+
+from specjax import api, cli, loading
+from specjax.loading import save_model
+
+
+class Loaded(Exception):
+    """The model loader was reached (validation passed)."""
+
+
+@pytest.fixture(autouse=True)
+def _env(monkeypatch):
+    monkeypatch.setenv("SPECJAX_NO_CACHE", "1")
+    monkeypatch.setenv("SPECJAX_NO_PROGRESS", "1")
+    monkeypatch.delenv("SPECJAX_DEBUG", raising=False)
+
+
+@pytest.fixture
+def no_load(monkeypatch):
+    """Make any model load fail loudly: the input must be rejected before it."""
+    def boom(*a, **k):
+        raise Loaded(f"load_model{a}")
+
+    monkeypatch.setattr(loading, "load_model", boom)
+    monkeypatch.setattr(api, "load_model", boom)
+
+
+@pytest.fixture(scope="module")
+def f(tmp_path_factory):
+    """Bad input files, by name; ``{name}`` in an argv template is replaced by its path."""
+    root = tmp_path_factory.mktemp("bad")
+
+    def w(name, data):
+        p = root / name
+        p.parent.mkdir(parents=True, exist_ok=True)
+        (p.write_bytes if isinstance(data, bytes) else p.write_text)(data)
+        return str(p)
+
+    m = tiny_model(seed=3)
+    good = save_model(m, str(root / "good"))
+    out = {"root": str(root), "good": good}
+    out["ok_jsonl"] = w("ok.jsonl", '{"prompt": "hello there"}\n')
+    out["latin1"] = w("latin1.jsonl", b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n')
+    out["empty"] = w("empty.jsonl", "\n\n")
+    out["notobj"] = w("notobj.jsonl", '{"prompt": "ok"}\n[1, 2]\n')
+    out["prompts_dir"] = str(root)
+    out["a_file"] = w("a_file.txt", "x")
+    # checkpoints
+    trunc = root / "trunc"
+    trunc.mkdir()
+    for name in os.listdir(good):
+        data = open(os.path.join(good, name), "rb").read()
+        (trunc / name).write_bytes(data[: len(data) // 2] if name == "model.safetensors" else data)
+    out["trunc"] = str(trunc)
+    for name, text in {"badjson": '{"model_type": "llama",\n  "vocab_size": 128,,\n}',
+                       "nokeys": '{"model_type": "llama"}', "listcfg": "[1, 2]"}.items():
+        d = root / name
+        d.mkdir()
+        (d / "config.json").write_text(text)
+        out[name] = str(d)
+    (root / "emptydir").mkdir()
+    out["emptydir"] = str(root / "emptydir")
+    with open(root / "weights.bin", "wb") as fh:
+        pickle.dump({"a": 1}, fh)
+    out["bin"] = str(root / "weights.bin")
+    out["small_vocab"] = save_model(tiny_model(seed=4, vocab_size=64), str(root / "small_vocab"))
+    # pair configs
+    out["bad_toml"] = w("bad.toml", 'gamma = 4\ntemperature = \n')
+    out["latin1_toml"] = w("latin1.toml", b'model = "x"\n# caf\xe9\n')
+    for key, val in {"gamma": '"x"', "temperature": '"hot"', "max_new_tokens": "1.5", "chat": '"yes"',
+                     "draft": "5", "top_k": "2.5", "dtype": '"fp8"'}.items():
+        out[f"toml_{key}"] = w(f"type_{key}.toml", f"{key} = {val}\n")
+    out["split"] = w("split.json", json.dumps({"train": [0], "eval": [0]}))
+    out["trunc_gguf"] = w("trunc.gguf", open(loading.default_model_path(), "rb").read(100_000))
+    return out
+
+
+def one_line_error(capsys, rc, words):
+    out, err = capsys.readouterr()
+    assert rc == 2, (rc, err)
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("specjax: error: "), err
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+    return lines[0]
+
+
+G = ["generate", "hi"]
+# (argv template, words the one line must contain) — all rejected before any model load
+EARLY = [
+    (["generate", "caf\udce9"], ["prompt 0", "not valid UTF-8"]),
+    (["generate", "--prompts", "{latin1}"], ["latin1.jsonl:2", "not valid UTF-8", "save the file as UTF-8"]),
+    (["generate", "--prompts", "{prompts_dir}"], ["is a directory", "JSONL file"]),
+    (["generate", "--prompts", "{empty}"], ["empty.jsonl", "no prompts", "empty"]),
+    (["generate", "--prompts", "{notobj}"], ["notobj.jsonl:2", "JSON object"]),
+    ([*G, "--config", "{bad_toml}"], ["bad.toml", "not valid TOML", "line 2"]),
+    ([*G, "--config", "{latin1_toml}"], ["latin1.toml:2", "UTF-8"]),
+    ([*G, "--config", "{toml_gamma}"], ["type_gamma.toml", "'gamma'", "integer >= 1", "'x'"]),
+    ([*G, "--config", "{toml_temperature}"], ["type_temperature.toml", "'temperature'", "a number", "'hot'"]),
+    ([*G, "--config", "{toml_max_new_tokens}"], ["type_max_new_tokens.toml", "'max_new_tokens'", "an integer"]),
+    ([*G, "--config", "{toml_chat}"], ["type_chat.toml", "'chat'", "true or false"]),
+    ([*G, "--config", "{toml_draft}"], ["type_draft.toml", "'draft'", "a string"]),
+    ([*G, "--config", "{toml_top_k}"], ["type_top_k.toml", "'top_k'", "integer"]),
+    ([*G, "--config", "{toml_dtype}"], ["type_dtype.toml", "'dtype'", "float32"]),
+    ([*G, "--config", "no_such_pair"], ["'no_such_pair' not found", "shipped configs"]),
+    ([*G, "--config", "{root}"], ["is a directory", ".toml"]),
+    ([*G, "--temperature", "nan"], ["--temperature", "finite"]),
+    ([*G, "--temperature", "inf"], ["--temperature", "finite"]),
+    ([*G, "--top-p", "2"], ["--top-p", "(0, 1]"]),
+    ([*G, "--top-p", "nan"], ["--top-p", "finite"]),
+    ([*G, "--top-k", "-1"], ["--top-k", ">= 0"]),
+    ([*G, "--top-k", "abc"], ["specjax generate", "--top-k", "invalid int value", "--help"]),
+    ([*G, "--dtype", "fp8"], ["--dtype", "invalid choice"]),
+    ([*G, "--batch-size", "-3"], ["--batch-size", ">= 1"]),
+    ([*G, "--seed", "-1"], ["--seed", "[0, 2**64)"]),
+    ([*G, "--seed", str(2**64)], ["--seed", "[0, 2**64)"]),
+    ([*G, "--max-new-tokens", "-5"], ["--max-new-tokens", ">= 1"]),
+    ([*G, "--draft", "foo"], ["unknown --draft value 'foo'", "ngram"]),
+    ([*G, "--draft", "ngram:x"], ["n-gram size", "ngram:3"]),
+    ([*G, "--draft", "ngram:0"], ["n-gram size"]),
+    ([*G, "--draft", "nosuch.gguf"], ["nosuch.gguf", "no such file"]),
+    ([*G, "--draft", "./nosuch_dir"], ["nosuch_dir", "no such file"]),
+    ([*G, "--draft", "ngram", "--gamma", "x"], ["--gamma", "integer"]),
+    ([*G, "--draft", "ngram", "--gamma", "-2"], ["--gamma", ">= 1"]),
+    ([*G, "--gamma", "auto"], ["--gamma auto needs a drafter", "--draft"]),
+    ([*G, "--mesh", "garbage"], ["--mesh", "data=D,model=M"]),
+    ([*G, "--mesh", "data=0"], ["--mesh"]),
+    (["generate"], ["no prompt given"]),
+    (["nosuchcommand"], ["invalid choice"]),
+    # bench: all checked before the benchmark (and the model load)
+    (["bench", "--prompts", "{ok_jsonl}", "--out", "{a_file}/results.json"], ["--out", "a_file.txt", "not a directory"]),
+    (["bench", "--prompts", "{ok_jsonl}", "--out", "{root}"], ["--out", "exists"]),
+    (["bench", "--prompts", "{ok_jsonl}", "--categories", "nope"], ["--categories", "unknown", "'nope'"]),
+    (["bench", "--prompts", "{ok_jsonl}", "--split", "{split}:nopart"], ["no list 'nopart'", "'eval'", "FILE:PART", "split.json:eval"]),
+    (["bench", "--prompts", "{ok_jsonl}", "--split", "{ok_jsonl}"], ["--split", "not a split file", "question-id lists"]),
+    (["bench", "--prompts", "{ok_jsonl}", "--limit", "0"], ["--limit", ">= 1"]),
+    (["bench", "--prompts", "{ok_jsonl}", "--draft", "ngram", "foo"], ["unknown --draft value 'foo'"]),
+    (["bench", "--prompts", "{ok_jsonl}", "--gamma", "3", "x"], ["--gamma", "integer"]),
+    (["bench", "--prompts", "{ok_jsonl}", "--warmup", "-1"], ["--warmup", ">= 0"]),
+    (["bench", "--prompts", "{ok_jsonl}", "--seed", "-4"], ["--seed"]),
+    (["bench", "--prompts", "{latin1}"], ["latin1.jsonl:2", "UTF-8"]),
+    # analyze
+    (["analyze", "--alpha", "1.5", "--c", "0.1"], ["--alpha", "[0, 1]"]),
+    (["analyze", "--alpha", "0.5", "--c", "-1"], ["--c", ">= 0"]),
+    (["analyze", "--alpha", "0.5"], ["--alpha needs --c"]),
+    (["analyze", "--prompt", "hi"], ["needs one drafter", "--draft"]),
+    (["analyze", "--prompt", "hi", "--gamma", "3"], ["needs one drafter"]),
+    (["analyze", "--prompt", "hi", "--draft", "ngram", "--top-p", "5"], ["--top-p"]),
+    (["analyze", "--prompt", "hi", "--draft", "ngram", "--plot", "{a_file}/plot.png"], ["--plot", "not a directory"]),
+    # distill: checked before anything is written or loaded
+    (["distill", "--out", "{root}/d_steps", "--prompts", "{ok_jsonl}", "--steps", "-5"], ["--steps", ">= 1", "-5"]),
+    (["distill", "--out", "{root}/d_ck", "--prompts", "{ok_jsonl}", "--checkpoint-every", "0"], ["--checkpoint-every"]),
+    (["distill", "--out", "{root}/d_bs", "--prompts", "{ok_jsonl}", "--batch-size", "0"], ["--batch-size"]),
+    (["distill", "--out", "{root}/d_lr", "--prompts", "{ok_jsonl}", "--lr", "0"], ["--lr", "> 0"]),
+    (["distill", "--out", "{root}/d_lr2", "--prompts", "{ok_jsonl}", "--lr", "nan"], ["--lr", "finite"]),
+    (["distill", "--out", "{root}/d_win", "--prompts", "{ok_jsonl}", "--window", "1"], ["--window", ">= 2"]),
+    (["distill", "--out", "{root}/d_topk", "--prompts", "{ok_jsonl}", "--topk", "0"], ["--topk"]),
+    (["distill", "--out", "{root}/d_seed", "--prompts", "{ok_jsonl}", "--seed", "-1"], ["--seed"]),
+    (["distill", "--out", "{root}/d_temp", "--prompts", "{ok_jsonl}", "--data-temperature", "-1"],
+     ["--data-temperature"]),
+    (["distill", "--out", "{root}/d_onp", "--prompts", "{ok_jsonl}", "--data", "both"], ["--onpolicy-after"]),
+    (["distill", "--out", "{root}/d_nop"], ["--prompts FILE is required"]),
+    (["distill", "--out", "{root}/d_lat", "--prompts", "{latin1}"], ["latin1.jsonl:2", "UTF-8"]),
+    (["distill", "--out", "{root}/d_dir", "--prompts", "{prompts_dir}"], ["is a directory"]),
+    (["distill", "--out", "{root}/d_split", "--prompts", "{ok_jsonl}", "--split", "{ok_jsonl}"],
+     ["ok.jsonl", "'train'"]),
+    (["distill", "--out", "{root}/d_init", "--prompts", "{ok_jsonl}", "--init-from", "{root}/nope"], ["--init-from"]),
+    (["distill", "--out", "{a_file}", "--prompts", "{ok_jsonl}"], ["--out", "is a file"]),
+    (["distill", "--out", "{a_file}/run", "--prompts", "{ok_jsonl}"], ["--out", "not a directory"]),
+    (["distill", "--out", "{root}/d_bg", "--bench", "default", "--prompts", "{ok_jsonl}", "--split", "{split}",
+      "--bench-gammas", "2,x"], ["--bench-gammas"]),
+    (["distill", "--out", "{root}/d_bn", "--bench", "{root}/nope", "--prompts", "{ok_jsonl}", "--split", "{split}"],
+     ["--bench", "no such drafter directory"]),
+]
+
+
+@pytest.mark.parametrize("argv, words", EARLY, ids=[f"{i}-{' '.join(c[0][:1] + c[0][2:4])}" for i, c in enumerate(EARLY)])
+def test_bad_input_one_line_before_load(f, no_load, capsys, argv, words):
+    rc = cli.main([a.format(**f) for a in argv])
+    one_line_error(capsys, rc, words)
+
+
+@pytest.mark.skipif(not os.path.isdir("/sys"), reason="needs a path nobody may create")
+@pytest.mark.parametrize("cmd", ["bench", "distill"])
+def test_unwritable_out_before_work(f, no_load, capsys, cmd):
+    argv = [cmd, "--prompts", f["ok_jsonl"], "--out", "/sys/specjax-test/out" + (".json" if cmd == "bench" else "")]
+    line = one_line_error(capsys, cli.main(argv), ["--out", "/sys/specjax-test", "cannot write"])
+    assert "permitted" in line or "denied" in line or "Read-only" in line
+    assert not os.path.exists("/sys/specjax-test")
+
+
+# rejected while loading (cheap tiny checkpoints): the file is named
+AT_LOAD = [
+    ([*G, "--model", "{trunc}"], ["trunc/model.safetensors", "truncated or corrupt", "re-download"]),
+    ([*G, "--model", "{badjson}"], ["badjson/config.json:2", "not valid JSON"]),
+    ([*G, "--model", "{nokeys}"], ["nokeys/config.json", "missing key"]),
+    ([*G, "--model", "{listcfg}"], ["listcfg/config.json", "JSON object"]),
+    ([*G, "--model", "{emptydir}"], ["emptydir", "no config.json"]),
+    ([*G, "--model", "{trunc_gguf}"], ["trunc.gguf", "truncated or corrupt", "re-download"]),
+    ([*G, "--model", "{bin}"], ["weights.bin", "pickle", "safetensors"]),
+    ([*G, "--model", "{root}/missing/model"], ["model path not found"]),
+    ([*G, "--model", "{good}", "--draft", "{small_vocab}"], ["64 tokens", "128", "no tokenizer"]),
+]
+
+
+@pytest.mark.parametrize("argv, words", AT_LOAD, ids=[f"{i}-{c[1][0][:20]}" for i, c in enumerate(AT_LOAD)])
+def test_bad_checkpoint_one_line(f, capsys, argv, words):
+    rc = cli.main([a.format(**f) for a in argv])
+    one_line_error(capsys, rc, words)
+
+
+def test_debug_reraises(f, monkeypatch):
+    monkeypatch.setenv("SPECJAX_DEBUG", "1")
+    with pytest.raises(ValueError, match="not valid UTF-8"):
+        cli.main(["generate", "--prompts", f["latin1"]])
+
+
+def test_bom_prompts_file_accepted(tmp_path):
+    p = tmp_path / "bom.jsonl"
+    p.write_bytes(b'\xef\xbb\xbf{"prompt": "caf\xc3\xa9"}\n')
+    assert api.read_prompts(str(p))[0]["prompt"] == "café"
+    from specjax.distill import read_records
+
+    assert read_records(str(p))[0]["turns"] == ["café"]
+
+
+def test_gamma_without_draft_is_a_note(f, no_load, capsys):
+    with pytest.raises(Loaded):
+        cli.main([*G, "--gamma", "5"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("specjax: note: --gamma 5 has no effect without a drafter"), err
+
+
+def test_largest_seed_accepted(no_load, capsys):
+    with pytest.raises(Loaded):
+        cli.main([*G, "--seed", str(2**64 - 1)])
+    from specjax.decode import seed_key
+
+    assert seed_key(2**64 - 1).shape == (2,) and (seed_key(5) == __import__("jax").random.PRNGKey(5)).all()
+
+
+def test_max_new_tokens_cap_note(capsys):
+    target = tiny_model(seed=1, max_position_embeddings=16)
+    cli.note_context_cap(10**9, target)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"specjax: note: --max-new-tokens 1000000000 is capped to 16 − the prompt length: the context "
+                   f"of {target.name} holds 16 tokens"]
+    cli.note_context_cap(16, target)
+    assert capsys.readouterr().err == ""
+
+
+def test_max_new_tokens_cap_note_end_to_end(tmp_path, capsys):
+    """The cap is kept (the run succeeds) and said once, on stderr, before the output."""
+    from test_cli import _word_tokenizer
+
+    m = tiny_model(seed=21, max_position_embeddings=16)
+    d = save_model(m.replace(tokenizer=_word_tokenizer(m.config.vocab_size)), str(tmp_path / "ctx16"))
+    rc = cli.main(["generate", "w3 w4 w5 w6", "--model", d, "--max-new-tokens", "1000000000", "--ignore-eos",
+                   "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert json.loads(out)["stats"]["new_tokens"] == 12  # 16-token context − 4 prompt tokens
+    notes = [ln for ln in err.splitlines() if ln.startswith("specjax: ")]
+    assert notes == ["specjax: note: --max-new-tokens 1000000000 is capped to 16 − the prompt length: the context "
+                     "of ctx16 holds 16 tokens"], err
+
+
+def test_distill_failed_run_does_not_block_rerun(f, no_load, capsys, tmp_path):
+    out = str(tmp_path / "run")
+    # without --prompts: nothing is written
+    one_line_error(capsys, cli.main(["distill", "--out", out]), ["--prompts"])
+    assert not os.path.exists(out)
+    # a run stopped during the model load leaves only run.json: a rerun (with or without --resume) starts
+    with pytest.raises(Loaded):
+        cli.main(["distill", "--out", out, "--prompts", f["ok_jsonl"], "--steps", "3"])
+    assert os.listdir(out) == ["run.json"]
+    with pytest.raises(Loaded):
+        cli.main(["distill", "--out", out, "--prompts", f["ok_jsonl"], "--steps", "4"])
+    assert json.load(open(os.path.join(out, "run.json")))["steps"] == 4
+    with pytest.raises(Loaded):
+        cli.main(["distill", "--out", out, "--prompts", f["ok_jsonl"], "--resume"])
+
+
+def test_analyze_unbounded_optimum(capsys):
+    assert cli.main(["analyze", "--alpha", "1", "--c", "0.05", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["optimal_gamma"] is None and rep["optimal_speedup"] is None
+    assert "unbounded" in rep["optimal_gamma_reason"] and "1/c = 20.000" in rep["optimal_gamma_reason"]
+    assert cli.main(["analyze", "--c", "0", "--alpha", "0.8"]) == 0
+    text = capsys.readouterr().out
+    assert "optimal γ: unbounded: c = 0" in text and "= 64" not in text
+    assert cli.main(["analyze", "--alpha", "0.8", "--c", "0.05", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["optimal_gamma"] == 8 and rep["optimal_gamma_reason"] is None
