@@ -212,6 +212,17 @@ class TextStream:
         return piece
 
 
+def _text_callback(on_text, streams: list[TextStream], first: int):
+    """A ``Decoder.generate`` ``on_chunk`` that feeds each row's new ids to its :class:`TextStream`
+    and passes the showable text on as ``on_text(first + row, piece)``."""
+    def on_chunk(newly):
+        for j, new in enumerate(newly):
+            piece = streams[j].feed(new)
+            if piece:
+                on_text(first + j, piece)
+    return on_chunk
+
+
 def _logprob_records(tokenizer, rows):
     """JSON-ready log-probabilities: per token ``{"token", "id", "logprob", "top_logprobs"}``."""
     piece = lambda i: tokenizer.decode([i], skip_special_tokens=False)  # noqa: E731
@@ -285,13 +296,7 @@ def generate_text(
         sp = SamplingParams.create(len(chunk), temperature, top_k, top_p)
         streams = [TextStream(tok, stop) for _ in chunk]
         stop_fn = (lambda i, toks: stop_cut(tok, toks, stop)) if stop else None
-        on_chunk = None
-        if on_text is not None:
-            def on_chunk(newly, start=start, streams=streams):
-                for j, new in enumerate(newly):
-                    piece = streams[j].feed(new)
-                    if piece:
-                        on_text(start + j, piece)
+        on_chunk = None if on_text is None else _text_callback(on_text, streams, start)
         r = dec.generate(chunk, max_new_tokens=max_new_tokens, sampling=sp, seed=seed, seed_offset=start,
                          eos_ids=[] if ignore_eos else None, stop_fn=stop_fn, on_chunk=on_chunk,
                          stop_token_ids=stop_token_ids[start:start + bs] if per_row_stops else stop_token_ids,

@@ -259,7 +259,11 @@ def generate_prompts(args) -> list[dict]:
     piped standard input when none is given."""
     if args.prompt_pos == "-" or (args.prompt_pos is None and not args.prompt and not args.prompts
                                   and not sys.stdin.isatty()):
-        args.prompt_pos = read_stdin_prompt()
+        text = read_stdin_prompt()
+        if not text.strip():
+            raise UsageError("no prompt given: standard input was empty; pass PROMPT, --prompt P, --prompts FILE "
+                             "or pipe the prompt text")
+        args.prompt_pos = text
     return collect_prompts(args)
 
 
@@ -290,7 +294,7 @@ def cmd_generate(args) -> int:
         from specjax import sharding
 
         mesh = sharding.MeshSpec.parse(args.mesh)
-    progress = Progress()
+    progress = None if os.environ.get("SPECJAX_NO_PROGRESS") else Progress()
     with phase(progress, f"loading {s['model'] or 'the default model (SmolLM2-135M-Instruct)'}"
                          + (f" and drafter {s['draft']}" if s["draft"] not in (None, "none") else "")
                          + f" ({s['dtype']})"):
@@ -302,15 +306,16 @@ def cmd_generate(args) -> int:
 
         with phase(progress, "measuring α, c and v(γ) for --gamma auto"):
             gamma = analysis_cli.recommend_gamma(target, drafter, [p["prompt"] for p in prompts], chat=bool(s["chat"]))
-        progress.note(f"--gamma auto chose γ = {gamma}")
+        note(f"--gamma auto chose γ = {gamma}")
     chat = s["chat"]
     if chat is None:
         chat = target.tokenizer is not None and bool(target.tokenizer.chat_template)
     stream = not args.json and not args.no_stream and args.batch_size == 1
     method = f"speculative, drafter {drafter.name}, γ = {gamma}" if drafter is not None else "autoregressive"
-    progress.note(f"generating ({method}; {'chat template' if chat else 'raw text, no chat template'}"
-                  f"{'' if s['chat'] is not None else ' (the default for this model; --chat/--no-chat to choose)'}"
-                  f"{'; streaming' if stream else ''})")
+    if progress is not None:
+        progress.note(f"generating ({method}; {'chat template' if chat else 'raw text, no chat template'}"
+                      f"{'' if s['chat'] is not None else ' (the default for this model; --chat/--no-chat to choose)'}"
+                      f"{'; streaming' if stream else ''})")
 
     def on_text(i, piece):
         sys.stdout.write(piece)

@@ -1,39 +1,42 @@
 """Progress lines on stderr: one line per phase with its time (``specjax: loading … 3.1 s``).
 
 The command line passes a :class:`Progress`; library calls pass ``None`` and stay silent.
-Standard output is never written, so ``--json`` output stays clean.
+Standard output is never written, so ``--json`` output stays clean. A phase that fails
+within ``Progress.delay_s`` prints nothing, so a bad input still gives exactly one
+``specjax: error: …`` line.
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import time
 from typing import IO, Iterator
 
 
 class Progress:
-    """Writes ``specjax: <what> … <seconds> s`` lines to ``stream`` (default ``sys.stderr``)."""
+    """Writes ``specjax: <what> … <seconds> s`` lines to ``stream`` (default ``sys.stderr``).
 
-    def __init__(self, stream: IO[str] | None = None, prefix: str = "specjax: "):
+    The ``<what> …`` part appears ``delay_s`` seconds into a phase (so the user sees what is
+    running while it runs), the time when it ends; a phase that ends sooner prints its whole
+    line at the end, and one that fails sooner prints nothing."""
+
+    def __init__(self, stream: IO[str] | None = None, prefix: str = "specjax: ", delay_s: float = 0.3):
         self.stream = stream
         self.prefix = prefix
+        self.delay_s = delay_s
+        self._lock = threading.Lock()
 
-    def _out(self) -> IO[str]:
-        return self.stream if self.stream is not None else sys.stderr
-
-    def begin(self, what: str) -> None:
-        self._out().write(f"{self.prefix}{what} … ")
-        self._out().flush()
-
-    def end(self, seconds: float, note: str = "") -> None:
-        self._out().write(f"{seconds:.1f} s{note}\n")
-        self._out().flush()
+    def write(self, text: str) -> None:
+        out = self.stream if self.stream is not None else sys.stderr
+        with self._lock:
+            out.write(text)
+            out.flush()
 
     def note(self, text: str) -> None:
-        """A line of its own (``specjax: note: …``)."""
-        self._out().write(f"{self.prefix}{text}\n")
-        self._out().flush()
+        """A line of its own (``specjax: <text>``)."""
+        self.write(f"{self.prefix}{text}\n")
 
 
 @contextlib.contextmanager
@@ -42,11 +45,26 @@ def phase(progress: Progress | None, what: str) -> Iterator[None]:
     if progress is None:
         yield
         return
-    progress.begin(what)
+    shown = threading.Event()
+    done = threading.Event()
+
+    def show():
+        if not done.wait(progress.delay_s):
+            progress.write(f"{progress.prefix}{what} … ")
+            shown.set()
+
+    timer = threading.Thread(target=show, daemon=True)
     t0 = time.perf_counter()
+    timer.start()
+    failed = True
     try:
         yield
-    except BaseException:
-        progress.end(time.perf_counter() - t0, " (failed)")
-        raise
-    progress.end(time.perf_counter() - t0)
+        failed = False
+    finally:
+        done.set()
+        timer.join()
+        seconds = time.perf_counter() - t0
+        if shown.is_set():
+            progress.write(f"{seconds:.1f} s{' (failed)' if failed else ''}\n")
+        elif not failed:
+            progress.write(f"{progress.prefix}{what} … {seconds:.1f} s\n")

@@ -3,7 +3,9 @@ loaded once per session, and tiny random models."""
 
 from __future__ import annotations
 
+import io
 import os
+import sys
 
 import jax
 import pytest
@@ -14,6 +16,24 @@ os.makedirs(_CACHE, exist_ok=True)
 jax.config.update("jax_compilation_cache_dir", os.path.abspath(_CACHE))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+class FakeStdin(io.TextIOWrapper):
+    """Standard input holding ``data``; ``tty`` says whether it is a terminal."""
+
+    def __init__(self, data: bytes = b"", tty: bool = True):
+        super().__init__(io.BytesIO(data), encoding="utf-8")
+        self._tty = tty
+
+    def isatty(self):
+        return self._tty
+
+
+@pytest.fixture(autouse=True)
+def _terminal_stdin(monkeypatch):
+    """Tests run as if typed at a terminal: ``specjax generate`` with no prompt does not read a
+    piped prompt (pytest's own stdin is not a TTY). Tests of piped input replace it."""
+    monkeypatch.setattr(sys, "stdin", FakeStdin())
 
 
 @pytest.fixture(scope="session")

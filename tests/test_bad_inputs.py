@@ -6,11 +6,12 @@ replaced by one that fails the test if it is called."""
 from __future__ import annotations
 
 import json
+import sys
 import os
 import pickle
 
 import pytest
-from conftest import tiny_model
+from conftest import FakeStdin, tiny_model
 
 from specjax import api, cli, loading
 from specjax.loading import save_model
@@ -25,6 +26,15 @@ def _env(monkeypatch):
     monkeypatch.setenv("SPECJAX_NO_CACHE", "1")
     monkeypatch.setenv("SPECJAX_NO_PROGRESS", "1")
     monkeypatch.delenv("SPECJAX_DEBUG", raising=False)
+
+
+@pytest.mark.parametrize("data, words", [(b"", "no prompt given"), (b"  \n", "no prompt given"),
+                                         (b"caf\xe9", "standard input is not valid UTF-8")])
+def test_bad_stdin_prompt(no_load, capsys, monkeypatch, data, words):
+    """Piped standard input (no PROMPT, or PROMPT '-') that is empty or not UTF-8."""
+    for argv in (["generate"], ["generate", "-"]):
+        monkeypatch.setattr(sys, "stdin", FakeStdin(data, tty=False))
+        one_line_error(capsys, cli.main(argv), [words])
 
 
 @pytest.fixture

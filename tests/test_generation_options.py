@@ -15,7 +15,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import tiny_model
+from conftest import FakeStdin, tiny_model
 
 import specjax
 from specjax import cli
@@ -306,12 +306,8 @@ def test_cli_streams_text_equal_to_json_and_reads_stdin(default_model, capsys, m
     assert rec["tokens"] == generate_text(default_model, ["Name three colors."], chat=True, max_new_tokens=12)[0]["tokens"]
     assert len(chat_ids) > 5
     # standard input: '-' and piped input with no prompt
-    import io
-
     for argv in (["generate", "-", "--json", *args], ["generate", "--json", *args]):
-        fake = io.TextIOWrapper(io.BytesIO("Name three colors.".encode()), encoding="utf-8")
-        fake.isatty = lambda: False
-        monkeypatch.setattr(sys, "stdin", fake)
+        monkeypatch.setattr(sys, "stdin", FakeStdin("Name three colors.".encode(), tty=False))
         assert cli.main(argv) == 0
         assert json.loads(capsys.readouterr().out)["tokens"] == rec["tokens"]
     # --no-chat sends raw text
