@@ -485,6 +485,9 @@ class Decoder:
     target's parameters are already sharded on (``MeshSpec.load_model``), else one device.
     On a mesh, parameters (target and drafter, each by its own config), caches and rows
     are sharded (:mod:`specjax.sharding`); a batch is padded to a multiple of ``data``.
+
+    ``progress``: a :class:`specjax.progress.Progress` that gets one stderr line per compile
+    phase (the command line passes one), or ``None`` (silent).
     """
 
     def __init__(self, target, drafter=None, gamma: int = 4, mesh=None, progress=None):
