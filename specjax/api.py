@@ -40,7 +40,14 @@ def check_draft_spec(spec: str | None) -> None:
             raise ValueError(f"--draft {spec!r}: the n-gram size must be an integer >= 1, e.g. ngram:3")
         return
     path = os.path.expanduser(spec)
+    if os.path.isdir(path):
+        if not any(os.path.isfile(os.path.join(path, f)) for f in ("config.json", "drafter.json")):
+            raise ValueError(f"--draft {spec!r}: the directory has no config.json (a draft model) or drafter.json "
+                             f"(a drafter from specjax distill); use {DRAFT_CHOICES}")
+        return
     if os.path.exists(path):
+        if not path.endswith(".gguf"):
+            raise ValueError(f"--draft {spec!r}: not a .gguf file or a checkpoint directory; use {DRAFT_CHOICES}")
         return
     if spec.endswith(".gguf") or spec.startswith((".", "/", "~")) or spec.count("/") > 1:
         raise ValueError(f"--draft {spec!r}: no such file or directory; use {DRAFT_CHOICES}")
@@ -54,7 +61,8 @@ def load_drafter(spec: str | None, target: Model, dtype: str = "float32"):
     Args:
       spec: ``None``/``"none"`` (no drafter), ``"ngram"`` or ``"ngram:N"`` (prompt lookup,
         n-grams up to N), ``"default"`` (the trained drafter shipped for the default
-        model), or a checkpoint path / hub id of a draft model with the target's tokenizer.
+        model), a drafter directory written by ``specjax distill`` (``drafter.json``), or a
+        checkpoint path / hub id of a draft model with the target's tokenizer.
       target: the loaded target model (its tokenizer and vocab are checked).
 
     Raises:
@@ -70,6 +78,11 @@ def load_drafter(spec: str | None, target: Model, dtype: str = "float32"):
         from specjax import shipped
 
         return shipped.load_default_drafter(target, dtype=dtype)
+    path = os.path.expanduser(spec)
+    if os.path.isfile(os.path.join(path, "drafter.json")):  # a feature drafter from `specjax distill`
+        from specjax.drafters import eagle
+
+        return eagle.load_drafter(path, target, dtype=dtype, name=os.path.basename(os.path.normpath(path)))
     dm = load_model(spec, dtype=dtype)
     check_vocab_compatible(target.tokenizer, dm.tokenizer, target.config.vocab_size, dm.config.vocab_size)
     return ModelDrafter.from_model(dm, name=os.path.basename(os.path.normpath(spec)))
@@ -249,6 +262,7 @@ def generate_text(
     stop_token_ids: Sequence[int] | None = None,
     logprobs: int | None = None,
     on_text=None,
+    on_done=None,
     progress=None,
     parse_special: bool = True,
 ) -> list[dict]:
@@ -270,6 +284,8 @@ def generate_text(
         ``{"token", "id", "logprob", "top_logprobs": [{"token", "id", "logprob"}]}``.
       on_text: ``on_text(i, piece)`` is called with prompt i's text as it is generated
         (incremental detokenization per chunk of rounds; the pieces add up to ``text``).
+      on_done: ``on_done(i, result)`` is called with prompt i's result dict as soon as its
+        batch has finished (before later batches run).
       progress: a :class:`specjax.progress.Progress` for phase lines (compiles), or ``None``.
       parse_special: whether special-token strings typed in a prompt become control ids
         (default ``True``); ``False`` tokenizes prompts as plain text (see :func:`encode_prompts`).
@@ -314,6 +330,8 @@ def generate_text(
             if r.logprobs is not None:
                 out["logprobs"] = _logprob_records(tok, r.logprobs[j])
             results.append(out)
+            if on_done is not None:
+                on_done(start + j, out)
     return results
 
 

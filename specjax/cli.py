@@ -11,6 +11,7 @@ import argparse
 import importlib
 import json
 import os
+import re
 import sys
 
 from specjax.config import CheckpointError
@@ -27,7 +28,7 @@ class _Parser(argparse.ArgumentParser):
     pointing at ``--help``, instead of a usage block (subparsers inherit this class)."""
 
     def error(self, message):
-        self.exit(2, f"specjax: error: {self.prog}: {message} (see `{self.prog} --help`)\n")
+        self.exit(2, f"specjax: error: {message} (see `{self.prog} --help`)\n")
 
 
 def note(msg: str) -> None:
@@ -149,7 +150,14 @@ def resolve(args, default_draft=None, need_draft: str | None = None) -> dict:
         s["draft"] = default_draft
     if need_draft and s["draft"] in (None, "none", [], ["none"]):
         raise UsageError(need_draft)
-    _check_settings(args, s)
+    try:
+        _check_settings(args, s)
+    except UsageError as e:  # a value read from the config file: name the file and key, not a flag
+        m = re.match(r"--([a-z0-9-]+) (.*)", str(e), re.S)
+        key = m.group(1).replace("-", "_") if m else None
+        if key in cfg and getattr(args, key, None) is None:
+            raise UsageError(f"config {args.config}: {key} {m.group(2)}") from None
+        raise
     return s
 
 
@@ -245,6 +253,11 @@ def load_target_and_drafter(s: dict, draft_spec=None, mesh=None):
     return target, drafter
 
 
+def unescape(text: str) -> str:
+    """``\\n``, ``\\t`` and ``\\\\`` typed on a command line as newline, tab and backslash (``--stop "\\n\\n"``)."""
+    return re.sub(r"\\(n|t|\\)", lambda m: {"n": "\n", "t": "\t", "\\": "\\"}[m.group(1)], text)
+
+
 def read_stdin_prompt() -> str:
     """The prompt text piped on standard input (UTF-8)."""
     data = sys.stdin.buffer.read()
@@ -287,7 +300,8 @@ def cmd_generate(args) -> int:
     gamma = parse_gamma(s["gamma"])
     if args.logprobs is not None and args.logprobs < 0:
         raise UsageError(f"--logprobs must be an integer >= 0 (top alternatives per token), got {args.logprobs}")
-    if any(not x for x in args.stop or []):
+    args.stop = [unescape(x) for x in args.stop or []]
+    if any(not x for x in args.stop):
         raise UsageError("--stop needs a non-empty string")
     mesh = None
     if args.mesh:
@@ -321,31 +335,32 @@ def cmd_generate(args) -> int:
         sys.stdout.write(piece)
         sys.stdout.flush()
 
-    outs = generate_text(
-        target, [p["prompt"] for p in prompts], drafter=drafter, gamma=gamma,
-        max_new_tokens=s["max_new_tokens"], temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"],
-        seed=args.seed, chat=chat, batch_size=args.batch_size, ignore_eos=args.ignore_eos,
-        stop=args.stop, logprobs=args.logprobs, on_text=on_text if stream else None, progress=progress,
-        parse_special=s["parse_special"],
-    )
-    for p, o in zip(prompts, outs):
+    def on_done(i, o):  # each prompt's result as soon as its batch is done
+        p = prompts[i]
         if args.json:
             rec = {"question_id": p["question_id"], "text": o["text"], "tokens": o["tokens"], "stats": o["stats"]}
             if "logprobs" in o:
                 rec["logprobs"] = o["logprobs"]
             print(json.dumps(rec), flush=True)
-            continue
-        print("" if stream else o["text"], flush=True)
-        if "logprobs" in o:
-            for r in o["logprobs"]:
-                alts = "  ".join(f"{a['token']!r} {a['logprob']:.3f}" for a in r["top_logprobs"])
-                print(f"{r['token']!r}\t{r['logprob']:.4f}" + (f"\t{alts}" if alts else ""))
+            return
+        print("" if stream else o["text"], flush=True)  # a streamed text gets its final newline
+        for r in o.get("logprobs", []):
+            alts = "  ".join(f"{a['token']!r} {a['logprob']:.3f}" for a in r["top_logprobs"])
+            print(f"{r['token']!r}\t{r['logprob']:.4f}" + (f"\t{alts}" if alts else ""), flush=True)
         st = o["stats"]
         extra = ""
         if drafter is not None:
             extra = f", {st['mean_accepted_tokens']:.2f} tokens/target call, acceptance {st['acceptance_rate']:.2f}"
         print(f"[{st['new_tokens']} tokens, {st['tokens_per_s']:.1f} tokens/s{extra}, "
-              f"finish: {st['finish_reason']}]", file=sys.stderr)
+              f"finish: {st['finish_reason']}]", file=sys.stderr, flush=True)
+
+    generate_text(
+        target, [p["prompt"] for p in prompts], drafter=drafter, gamma=gamma,
+        max_new_tokens=s["max_new_tokens"], temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"],
+        seed=args.seed, chat=chat, batch_size=args.batch_size, ignore_eos=args.ignore_eos,
+        stop=args.stop, logprobs=args.logprobs, on_text=on_text if stream else None, on_done=on_done,
+        progress=progress, parse_special=s["parse_special"],
+    )
     return 0
 
 
@@ -362,7 +377,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-stream", action="store_true",
                    help="print each text at the end instead of streaming it as it is generated")
     g.add_argument("--stop", action="append", metavar="STR",
-                   help="stop when the text contains STR (cut before it; repeatable); finish_reason 'stop'")
+                   help="stop when the text contains STR (cut before it; repeatable; \\n and \\t are newline and "
+                        "tab); finish_reason 'stop'")
     g.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="log-probability of every emitted token and its top-N alternatives (JSON field 'logprobs')")
     g.set_defaults(func=cmd_generate)
@@ -383,7 +399,13 @@ def main(argv=None) -> int:
     (``SPECJAX_DEBUG=1`` re-raises it with its traceback)."""
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra:
+            hint = ""
+            if args.command == "generate" and not any(x.startswith("-") for x in extra):
+                hint = '; a prompt of several words needs quotes: specjax generate "Write a haiku"'
+            parser.exit(2, f"specjax: error: unrecognized arguments: {' '.join(extra)}{hint} "
+                           f"(see `specjax {args.command} --help`)\n")
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 2
     try:

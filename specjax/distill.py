@@ -783,7 +783,7 @@ def _log(msg):
 
 
 # (option, smallest allowed value, what it means) for distill's numeric options
-_MIN = [("steps", 1, "training steps"), ("batch_size", 1, "windows per step"), ("warmup", 0, "warm-up steps"),
+_MIN = [("steps", 0, "training steps; 0 = only generate the data set"), ("batch_size", 1, "windows per step"), ("warmup", 0, "warm-up steps"),
         ("eval_every", 0, "steps between evaluations, 0 = off"), ("checkpoint_every", 1, "steps between checkpoints"),
         ("onpolicy_after", 0, "steps"), ("gamma", 1, "draft tokens per round"), ("sub_vocab", 1, "head rows"),
         ("intermediate", 1, "MLP width"), ("copy_ngram", 0, "0 = none"), ("self_prompts", 0, "prompts"),

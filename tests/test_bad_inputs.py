@@ -80,6 +80,8 @@ def f(tmp_path_factory):
         d.mkdir()
         (d / "config.json").write_text(text)
         out[name] = str(d)
+    (root / "neg_temp.toml").write_text("temperature = -2\n")
+    out["neg_temp_toml"] = str(root / "neg_temp.toml")
     (root / "emptydir").mkdir()
     out["emptydir"] = str(root / "emptydir")
     with open(root / "weights.bin", "wb") as fh:
@@ -150,6 +152,11 @@ EARLY = [
     ([*G, "--mesh", "data=0"], ["--mesh"]),
     (["generate"], ["no prompt given"]),
     (["nosuchcommand"], ["invalid choice"]),
+    (["generate", "Write", "a", "haiku"], ["unrecognized arguments: a haiku", "needs quotes", "specjax generate --help"]),
+    (["generate", "hi", "--seed", "abc"], ["argument --seed", "invalid int value"]),
+    ([*G, "--draft", "{emptydir}"], ["--draft", "no config.json", "drafter.json"]),
+    ([*G, "--draft", "{ok_jsonl}"], ["--draft", "not a .gguf file"]),
+    ([*G, "--config", "{neg_temp_toml}"], ["neg_temp.toml", "temperature", ">= 0"]),
     # bench: all checked before the benchmark (and the model load)
     (["bench", "--prompts", "{ok_jsonl}", "--out", "{a_file}/results.json"], ["--out", "a_file.txt", "not a directory"]),
     (["bench", "--prompts", "{ok_jsonl}", "--out", "{root}"], ["--out", "exists"]),
@@ -171,7 +178,7 @@ EARLY = [
     (["analyze", "--prompt", "hi", "--draft", "ngram", "--top-p", "5"], ["--top-p"]),
     (["analyze", "--prompt", "hi", "--draft", "ngram", "--plot", "{a_file}/plot.png"], ["--plot", "not a directory"]),
     # distill: checked before anything is written or loaded
-    (["distill", "--out", "{root}/d_steps", "--prompts", "{ok_jsonl}", "--steps", "-5"], ["--steps", ">= 1", "-5"]),
+    (["distill", "--out", "{root}/d_steps", "--prompts", "{ok_jsonl}", "--steps", "-5"], ["--steps", ">= 0", "-5"]),
     (["distill", "--out", "{root}/d_ck", "--prompts", "{ok_jsonl}", "--checkpoint-every", "0"], ["--checkpoint-every"]),
     (["distill", "--out", "{root}/d_bs", "--prompts", "{ok_jsonl}", "--batch-size", "0"], ["--batch-size"]),
     (["distill", "--out", "{root}/d_lr", "--prompts", "{ok_jsonl}", "--lr", "0"], ["--lr", "> 0"]),

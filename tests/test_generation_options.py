@@ -181,6 +181,11 @@ def test_seeds_use_all_64_bits():
             request_keys(bad, 1)
 
 
+def test_cli_stop_escapes():
+    assert cli.unescape(r"\n\n") == "\n\n" and cli.unescape(r"a\tb") == "a\tb"
+    assert cli.unescape(r"\\n") == "\\n" and cli.unescape("café ⏎") == "café ⏎"
+
+
 def test_cli_seed_errors(capsys, monkeypatch):
     monkeypatch.setenv("SPECJAX_NO_CACHE", "1")
     for bad in ("-1", str(2 ** 64)):
@@ -310,6 +315,12 @@ def test_cli_streams_text_equal_to_json_and_reads_stdin(default_model, capsys, m
         monkeypatch.setattr(sys, "stdin", FakeStdin("Name three colors.".encode(), tty=False))
         assert cli.main(argv) == 0
         assert json.loads(capsys.readouterr().out)["tokens"] == rec["tokens"]
+    # two prompts stream one after the other, each text ending its own line
+    assert cli.main(["generate", "--prompt", "Name three colors.", "--prompt", "Name a fruit.", *args]) == 0
+    out = capsys.readouterr().out
+    assert cli.main(["generate", "--prompt", "Name three colors.", "--prompt", "Name a fruit.", "--json", *args]) == 0
+    recs = [json.loads(ln) for ln in capsys.readouterr().out.splitlines()]
+    assert out == recs[0]["text"] + "\n" + recs[1]["text"] + "\n"
     # --no-chat sends raw text
     assert cli.main(["generate", "Name three colors.", "--json", "--no-chat", *args]) == 0
     raw = json.loads(capsys.readouterr().out)
