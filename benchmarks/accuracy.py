@@ -12,8 +12,8 @@ import json
 import sys
 
 from specjax.api import encode_prompts, read_prompts
-from specjax.formats import accuracy_report, format_report
-from specjax.loading import load_model
+from specjax.eval.formats import accuracy_report, format_report
+from specjax.io.loading import load_model
 
 
 def main(argv=None):

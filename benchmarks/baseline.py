@@ -31,7 +31,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from specjax.bench import _json_default, check_out_path, machine_info, run_bench, write_json  # noqa: E402
+from specjax.eval.bench import _json_default, check_out_path, machine_info, run_bench, write_json  # noqa: E402
 
 GOAL_FLOOR_RATIO = 1.25
 GOAL_VS_TRANSFORMERS = 2.0

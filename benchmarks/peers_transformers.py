@@ -7,7 +7,7 @@ Methods (names match ``specjax bench``):
 * ``ar``: plain greedy / sampled ``generate``;
 * ``<draft>@γ<g>``: assisted generation (``assistant_model=``) with a draft model: by default
   the target's first ``--draft-layers`` (2) blocks + final norm + head, built by truncating
-  ``model.model.layers`` (named ``first2``, like a ``specjax.loading.save_model(truncate_model(
+  ``model.model.layers`` (named ``first2``, like a ``specjax.io.loading.save_model(truncate_model(
   target, 2))`` directory called ``first2``), or ``--draft-model DIR`` (a Hugging Face directory);
   ``num_assistant_tokens = γ`` with a constant schedule and no confidence early-stop;
 * ``ngram:<N>@γ<g>``: prompt lookup (``prompt_lookup_num_tokens=γ``, ``max_matching_ngram_size=N``).
@@ -39,7 +39,7 @@ import sys
 import time
 import types
 
-from specjax.bench import (MethodSpec, _json_default, baselines, check_out_path, machine_info, make_batches,
+from specjax.eval.bench import (MethodSpec, _json_default, baselines, check_out_path, machine_info, make_batches,
                            markdown_tables, select_prompts, split_categories, summarize, write_json)
 
 
@@ -83,10 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_tokenizer(model_path: str):
     """specjax's tokenizer for the model (same ids as transformers; shared prompt encoding)."""
-    from specjax.loading.tokenizer import Tokenizer
+    from specjax.io.tokenizer import Tokenizer
 
     if model_path.endswith(".gguf"):
-        from specjax.loading import gguf_loader
+        from specjax.io import gguf as gguf_loader
 
         return Tokenizer.from_gguf(gguf_loader.open_gguf(model_path))
     return Tokenizer.from_dir(model_path)
@@ -178,7 +178,7 @@ def run_peers(prompts, args) -> dict:
     from tqdm.auto import tqdm
 
     from specjax.api import encode_prompts
-    from specjax.loading import default_model_path
+    from specjax.io.loading import default_model_path
 
     torch.set_num_threads(args.threads or os.cpu_count())
     model_path = os.path.expanduser(args.model) if args.model else default_model_path()

@@ -6,14 +6,14 @@ Main entry points::
     drafter = specjax.load_drafter("ngram:3", target)
     outs = specjax.generate_text(target, ["Hello"], drafter=drafter, gamma=4, chat=True)
 
-Lower level: :mod:`specjax.decode` (token ids in, token ids out), :mod:`specjax.speculative`
-(the acceptance step), :mod:`specjax.analysis` (theory: α, E(N), speedup).
+Lower level: :mod:`specjax.runtime.decoder` (token ids in, token ids out), :mod:`specjax.core.acceptance`
+(the acceptance step), :mod:`specjax.eval.theory` (theory: α, E(N), speedup).
 """
 
 __version__ = "0.1.0"
 
-from specjax.config import CheckpointError, ModelConfig, UnsupportedModelError  # noqa: E402
-from specjax.loading import Model, load_model  # noqa: E402
-from specjax.sampling import SamplingParams  # noqa: E402
-from specjax.decode import Decoder, GenerationResult, generate, speculative_generate  # noqa: E402
+from specjax.models.config import CheckpointError, ModelConfig, UnsupportedModelError  # noqa: E402
+from specjax.io.loading import Model, load_model  # noqa: E402
+from specjax.core.sampling import SamplingParams  # noqa: E402
+from specjax.runtime.decoder import Decoder, GenerationResult, generate, speculative_generate  # noqa: E402
 from specjax.api import encode_prompts, generate_text, load_drafter, read_prompts  # noqa: E402

@@ -14,12 +14,12 @@ import os
 import tomllib
 from typing import Any, Sequence
 
-from specjax.config import CheckpointError
-from specjax.decode import Decoder
+from specjax.models.config import CheckpointError
+from specjax.runtime.decoder import Decoder
 from specjax.drafters.model import ModelDrafter, check_vocab_compatible
 from specjax.drafters.ngram import NgramDrafter
-from specjax.loading import Model, load_model
-from specjax.sampling import SamplingParams
+from specjax.io.loading import Model, load_model
+from specjax.core.sampling import SamplingParams
 
 DRAFT_CHOICES = "none, ngram[:N], default, or a drafter PATH_OR_ID"
 
@@ -75,7 +75,7 @@ def load_drafter(spec: str | None, target: Model, dtype: str = "float32"):
     if spec == "ngram" or spec.startswith("ngram:"):
         return NgramDrafter(max_ngram=int(spec.split(":", 1)[1] if ":" in spec else "3"))
     if spec == "default":
-        from specjax import shipped
+        from specjax.io import shipped
 
         return shipped.load_default_drafter(target, dtype=dtype)
     path = os.path.expanduser(spec)
@@ -151,7 +151,7 @@ def encode_prompts(target: Model, texts: Sequence[str], chat: bool, parse_specia
       parse_special: ``True`` (default, as before): special-token strings typed in a text
         (``<|im_start|>``, ``<|endoftext|>``, …) become control ids. ``False``: the texts are
         tokenized as plain text; with ``chat`` only the template's own special tokens become
-        control ids (:meth:`specjax.loading.tokenizer.Tokenizer.encode_chat`). Ordinary text
+        control ids (:meth:`specjax.io.tokenizer.Tokenizer.encode_chat`). Ordinary text
         gets the same ids either way.
 
     Returns:
@@ -163,7 +163,7 @@ def encode_prompts(target: Model, texts: Sequence[str], chat: bool, parse_specia
     """
     tok = target.tokenizer
     if tok is None:
-        raise CheckpointError(f"{target.name} has no tokenizer; pass token ids to specjax.decode.generate instead")
+        raise CheckpointError(f"{target.name} has no tokenizer; pass token ids to specjax.runtime.decoder.generate instead")
     ids = []
     for i, t in enumerate(texts):
         if not isinstance(t, str) or not t.strip():
@@ -270,7 +270,7 @@ def generate_text(
     ``{"text", "tokens", "stats"}`` (and ``"logprobs"`` when asked) where ``stats`` has
     ``new_tokens``, ``prefill_s``, ``decode_s``, ``compile_s`` (seconds, for the prompt's
     batch), ``tokens_per_s`` (the prompt's new tokens ÷ its batch's decode seconds) and the
-    speculative counters of :class:`specjax.decode.GenerationResult`.
+    speculative counters of :class:`specjax.runtime.decoder.GenerationResult`.
 
     Args:
       stop: strings that end a row when its decoded text contains one: the text is cut
@@ -280,13 +280,13 @@ def generate_text(
       stop_token_ids: ids that end a row (``finish_reason`` ``"stop"``): one list for all
         prompts or one list per prompt.
       logprobs: ``None`` (off) or N ≥ 0: per emitted token its log-probability and the top N
-        alternatives (:class:`specjax.decode.Logprobs`), as ``"logprobs"``: a list of
+        alternatives (:class:`specjax.runtime.decoder.Logprobs`), as ``"logprobs"``: a list of
         ``{"token", "id", "logprob", "top_logprobs": [{"token", "id", "logprob"}]}``.
       on_text: ``on_text(i, piece)`` is called with prompt i's text as it is generated
         (incremental detokenization per chunk of rounds; the pieces add up to ``text``).
       on_done: ``on_done(i, result)`` is called with prompt i's result dict as soon as its
         batch has finished (before later batches run).
-      progress: a :class:`specjax.progress.Progress` for phase lines (compiles), or ``None``.
+      progress: a :class:`specjax.runtime.progress.Progress` for phase lines (compiles), or ``None``.
       parse_special: whether special-token strings typed in a prompt become control ids
         (default ``True``); ``False`` tokenizes prompts as plain text (see :func:`encode_prompts`).
 

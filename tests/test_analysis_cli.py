@@ -1,4 +1,4 @@
-"""``specjax analyze`` and :mod:`specjax.measure`: the theory as a tool.
+"""``specjax analyze`` and :mod:`specjax.eval.measure`: the theory as a tool.
 
 The gate (``test_gate_mean_accepted_tokens_matches_expected_tokens``): on a synthetic
 pair whose acceptance probability β is the same at every position by construction,
@@ -19,13 +19,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from specjax import analysis, measure
+from specjax.eval import theory as analysis
+from specjax.eval import measure
 from specjax.cli import main
-from specjax.decode import Decoder, _result
+from specjax.runtime.decoder import Decoder, _result
 from specjax.drafters.model import ModelDrafter
-from specjax.loading import Model
+from specjax.io.loading import Model
 from specjax.models import llama
-from specjax.sampling import SamplingParams
+from specjax.core.sampling import SamplingParams
 
 from conftest import tiny_config, tiny_model
 
@@ -226,7 +227,7 @@ def test_measure_alpha_generic_drafter_path_matches_model_path():
 def _tiny_tokenizer():
     from tokenizers import Tokenizer as HFTok, models, pre_tokenizers
 
-    from specjax.loading.tokenizer import Tokenizer
+    from specjax.io.tokenizer import Tokenizer
 
     vocab = {f"w{i}": i for i in range(128)}
     hf = HFTok(models.WordLevel(vocab=vocab, unk_token="w2"))
@@ -235,7 +236,7 @@ def _tiny_tokenizer():
 
 
 def test_model_mode_tiny_models_json_fields(capsys, tmp_path):
-    from specjax.loading import save_model
+    from specjax.io.loading import save_model
 
     tok = _tiny_tokenizer()
     # one layer each (cheap compiles); the drafter is the target with a flatter embedding
@@ -275,16 +276,16 @@ def test_model_mode_tiny_models_json_fields(capsys, tmp_path):
     assert set(m["by_category"]) == {"qa", "math"}
     assert png.read_bytes()[:4] == b"\x89PNG"
     # the human rendering of the same report: markdown tables
-    from specjax.analysis_cli import render_models
+    from specjax.cli.analyze import render_models
 
     text = render_models(rep)
     assert "### Acceptance rate" in text and "recommended γ" in text and "| speedup (×) |" in text
     assert "| **all** | 3 | 36 |" in text
 
     # `specjax generate --gamma auto` calls recommend_gamma (γ ≤ 2 here: the shapes above, nothing new to compile)
-    from specjax.analysis_cli import recommend_gamma
+    from specjax.eval.measure import recommend_gamma
     from specjax.api import load_drafter
-    from specjax.loading import load_model
+    from specjax.io.loading import load_model
 
     tgt = load_model(tdir)
     g = recommend_gamma(tgt, load_drafter(ddir, tgt), ["w3 w4 w5 w6 w7 w8 w9 w10"], gamma_max=2)

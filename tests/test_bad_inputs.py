@@ -13,8 +13,10 @@ import pickle
 import pytest
 from conftest import FakeStdin, tiny_model
 
-from specjax import api, cli, loading
-from specjax.loading import save_model
+from specjax import api, cli
+from specjax.cli import common
+from specjax.io import loading
+from specjax.io.loading import save_model
 
 
 class Loaded(Exception):
@@ -249,7 +251,7 @@ def test_bom_prompts_file_accepted(tmp_path):
     p = tmp_path / "bom.jsonl"
     p.write_bytes(b'\xef\xbb\xbf{"prompt": "caf\xc3\xa9"}\n')
     assert api.read_prompts(str(p))[0]["prompt"] == "café"
-    from specjax.distill import read_records
+    from specjax.train.distill import read_records
 
     assert read_records(str(p))[0]["turns"] == ["café"]
 
@@ -264,18 +266,18 @@ def test_gamma_without_draft_is_a_note(f, no_load, capsys):
 def test_largest_seed_accepted(no_load, capsys):
     with pytest.raises(Loaded):
         cli.main([*G, "--seed", str(2**64 - 1)])
-    from specjax.decode import seed_key
+    from specjax.runtime.decoder import seed_key
 
     assert seed_key(2**64 - 1).shape == (2,) and (seed_key(5) == __import__("jax").random.PRNGKey(5)).all()
 
 
 def test_max_new_tokens_cap_note(capsys):
     target = tiny_model(seed=1, max_position_embeddings=16)
-    cli.note_context_cap(10**9, target)
+    common.note_context_cap(10**9, target)
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"specjax: note: --max-new-tokens 1000000000 is capped to 16 − the prompt length: the context "
                    f"of {target.name} holds 16 tokens"]
-    cli.note_context_cap(16, target)
+    common.note_context_cap(16, target)
     assert capsys.readouterr().err == ""
 
 

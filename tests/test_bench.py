@@ -17,8 +17,8 @@ WORDS = [f"w{i}" for i in range(3, 128)]
 def tiny_dir(tmp_path_factory):
     from tokenizers import Tokenizer as HFTok, models, pre_tokenizers
 
-    from specjax.loading import save_model
-    from specjax.loading.tokenizer import Tokenizer
+    from specjax.io.loading import save_model
+    from specjax.io.tokenizer import Tokenizer
 
     vocab = {"<s>": 0, "</s>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
     hf = HFTok(models.WordLevel(vocab=vocab, unk_token="<unk>"))
@@ -137,7 +137,7 @@ def test_bench_unknown_category(tmp_path, capsys):
 
 
 def test_select_and_batches():
-    from specjax.bench import make_batches, select_prompts
+    from specjax.eval.bench import make_batches, select_prompts
 
     ps = [{"prompt": "x", "question_id": i, "category": c} for i, c in enumerate("aabbbab")]
     sel = select_prompts(ps, ["a", "b"], 2)
@@ -182,20 +182,19 @@ def test_peers_transformers_same_schema(tiny_dir, tmp_path, capsys, monkeypatch)
 
 def test_split_keeps_the_listed_question_ids(tmp_path):
     from specjax.api import read_prompts
-    from specjax.bench import filter_split
-    from specjax.cli import UsageError
+    from specjax.eval.bench import filter_split
 
     prompts = read_prompts(_spec_bench(tmp_path))
     split = tmp_path / "split.json"
     split.write_text(json.dumps({"train": [1, 2, 3, 6], "eval": [4, 5]}))
     assert [p["question_id"] for p in filter_split(prompts, str(split))] == [4, 5]
     assert [p["question_id"] for p in filter_split(prompts, f"{split}:train")] == [1, 2, 3, 6]
-    with pytest.raises(UsageError, match="has no list 'dev'"):
+    with pytest.raises(ValueError, match="has no list 'dev'"):
         filter_split(prompts, f"{split}:dev")
-    with pytest.raises(UsageError, match="no such file"):
+    with pytest.raises(ValueError, match="no such file"):
         filter_split(prompts, str(tmp_path / "missing.json"))
     split.write_text(json.dumps({"eval": [99]}))
-    with pytest.raises(UsageError, match="none of the prompts"):
+    with pytest.raises(ValueError, match="none of the prompts"):
         filter_split(prompts, str(split))
     # the drafter's committed split is found by name among the shipped configs
     shipped = [{"prompt": "x", "question_id": q, "category": "c"} for q in (81, 82, 83)]

@@ -15,8 +15,8 @@ from conftest import tiny_model
 
 import specjax
 from specjax import cli
-from specjax.loading import save_model
-from specjax.loading.tokenizer import Tokenizer
+from specjax.io.loading import save_model
+from specjax.io.tokenizer import Tokenizer
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""Gates of the speculative core (specjax.decode with the n-gram and draft-model drafters).
+"""Gates of the speculative core (specjax.runtime.decoder with the n-gram and draft-model drafters).
 
 1. Greedy speculative == greedy autoregressive, token for token (float32), on the real
    default model (both drafters, γ ∈ {1, 4} at batch 4, γ ∈ {1, 2, 4, 8} at batch 1, EOS
@@ -39,13 +39,13 @@ from scipy import stats as sps
 
 from conftest import tiny_model
 
-from specjax.decode import Decoder, request_keys
-from specjax.drafters.base import Proposal
+from specjax.runtime.decoder import Decoder, request_keys
+from specjax.core.drafting import Proposal
 from specjax.drafters.model import ModelDrafter
 from specjax.drafters.ngram import NgramDrafter
-from specjax.loading import truncate_model
+from specjax.io.loading import truncate_model
 from specjax.models import llama
-from specjax.sampling import SamplingParams, process_logits
+from specjax.core.sampling import SamplingParams, process_logits
 
 NEAR_TIE = 1e-3  # top-2 logit margin below which float32 rounding may pick either token
 NEAR_TIES: list[str] = []  # every tolerated divergence, reported at the end of the session
@@ -460,8 +460,8 @@ def test_prompt_buckets_are_geometric(tiny):
     """Prompts pad to the next power of two (≥ 32): lengths 1..1024 need 6 prompt shapes,
     and the decoder's buffer (``Decoder.prepare``) is what ``measure.decode_buffer_len``
     reports, so memory estimates match the programs that run."""
-    from specjax.decode import prompt_bucket
-    from specjax.measure import decode_buffer_len
+    from specjax.runtime.decoder import prompt_bucket
+    from specjax.eval.measure import decode_buffer_len
 
     assert [prompt_bucket(n) for n in (1, 32, 33, 64, 65, 129, 1000)] == [32, 32, 64, 64, 128, 256, 1024]
     assert len({prompt_bucket(n) for n in range(1, 1025)}) == 6

@@ -35,7 +35,7 @@ TINY_FLAGS = ["--sub-vocab", "64", "--intermediate", "64", "--window", "32", "--
 @pytest.fixture(scope="module")
 def tiny_setup(tmp_path_factory):
     """A peaked tiny target saved as a HF directory, 40 token-id prompts, and one shared data set."""
-    from specjax.loading import save_model
+    from specjax.io.loading import save_model
 
     d = tmp_path_factory.mktemp("distill")
     target = tiny_model(0, scale=20.0)
@@ -49,7 +49,7 @@ def tiny_setup(tmp_path_factory):
 
 
 def _args(setup, out, *extra):
-    from specjax.distill import add_args
+    from specjax.cli.distill import add_args
 
     p = argparse.ArgumentParser()
     add_args(p)
@@ -58,7 +58,7 @@ def _args(setup, out, *extra):
 
 
 def test_gate_distill_raises_alpha(tiny_setup):
-    from specjax import distill
+    from specjax.train import distill
 
     # CPU seconds of this process (XLA's threads included): the gate's "within a minute" is the
     # work, which wall time on a shared machine does not measure.
@@ -71,9 +71,9 @@ def test_gate_distill_raises_alpha(tiny_setup):
     assert res["final"]["alpha"] > 0.6, res["final"]
     assert elapsed < 60, f"distillation took {elapsed:.0f}s"
     # the exported drafter is exact: greedy speculative == greedy autoregressive on the tiny target
-    from specjax.decode import Decoder
+    from specjax.runtime.decoder import Decoder
     from specjax.drafters import eagle
-    from specjax.loading import load_model
+    from specjax.io.loading import load_model
 
     target = load_model(str(tiny_setup / "target"))
     dr = eagle.load_drafter(str(tiny_setup / "gate_a" / "drafter"), target)
@@ -85,7 +85,7 @@ def test_gate_distill_raises_alpha(tiny_setup):
 
 
 def test_refuses_existing_out(tiny_setup, tmp_path):
-    from specjax import distill
+    from specjax.train import distill
 
     out = tmp_path / "mine"
     out.mkdir()
@@ -110,7 +110,7 @@ def _tensors(out):
 
 
 def test_gate_sigkill_resume_bitwise(tiny_setup):
-    from specjax import distill
+    from specjax.train import distill
 
     data_dir = tiny_setup / "gate_a" / "data"
     if not data_dir.exists():  # gate (a) not run (e.g. -k): make the data set here
@@ -163,10 +163,10 @@ def test_shipped_drafter_default_model(default_model):
 
     import jax.numpy as jnp
 
-    from specjax import shipped
+    from specjax.io import shipped
     from specjax.api import load_drafter
-    from specjax.config import CheckpointError
-    from specjax.decode import Decoder
+    from specjax.models.config import CheckpointError
+    from specjax.runtime.decoder import Decoder
 
     dr = load_drafter("default", default_model)
     assert dr.config.hidden_size == default_model.config.hidden_size
@@ -206,8 +206,8 @@ def test_sampled_continuations_are_seeded_and_eval_stays_greedy(tiny_setup, tmp_
     one-sample data set), samples 1..2 are sampled (they differ from greedy on a target
     whose logits are not peaked), the same seed gives the same tokens, and the questions
     in ``greedy_only`` (the eval split) get only their greedy continuation."""
-    from specjax.distill import DistillError, collect_data, collect_parts, generate_data
-    from specjax.loading import load_model
+    from specjax.train.distill import DistillError, collect_data, collect_parts, generate_data
+    from specjax.io.loading import load_model
 
     target = load_model(str(tiny_setup / "target"), dtype="float32")
     flat = tiny_model(1)  # not peaked: sampling at temperature 1 leaves the greedy path
@@ -250,10 +250,10 @@ def test_copy_term_fit_keeps_the_drafter_and_stays_exact(tiny_setup, tmp_path):
     sub-vocabulary are kept bitwise, only the copy term moves; the exported drafter
     reloads with its copy term, and greedy speculative decoding with it equals greedy
     autoregressive decoding. Bad combinations are refused with the fix named."""
-    from specjax import distill
-    from specjax.decode import Decoder
+    from specjax.train import distill
+    from specjax.runtime.decoder import Decoder
     from specjax.drafters import eagle
-    from specjax.loading import load_model
+    from specjax.io.loading import load_model
 
     base = tiny_setup / "gate_a" / "drafter"
     data_dir = tiny_setup / "gate_a" / "data"
@@ -297,8 +297,8 @@ def test_self_prompts_are_seeded_and_kept(tmp_path, default_model):
     """Magpie-style prompts: written once (a second call reads the file, nothing is
     regenerated), the same for the same seed, named self-<seed>-<i>."""
     from conftest import tiny_config
-    from specjax.distill import self_prompts
-    from specjax.loading import Model
+    from specjax.train.distill import self_prompts
+    from specjax.io.loading import Model
     from specjax.models import llama
 
     v = default_model.config.vocab_size

@@ -23,15 +23,15 @@ from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers
 
 from conftest import tiny_model
 
-from specjax.config import CheckpointError
-from specjax.decode import Decoder, generate, speculative_generate
-from specjax.drafters.base import DraftContext
+from specjax.models.config import CheckpointError
+from specjax.runtime.decoder import Decoder, generate, speculative_generate
+from specjax.core.drafting import DraftContext
 from specjax.drafters.model import ModelDrafter, check_vocab_compatible, fit_vocab
 from specjax.drafters.ngram import NgramDrafter
-from specjax.loading import save_model
-from specjax.loading.tokenizer import Tokenizer
+from specjax.io.loading import save_model
+from specjax.io.tokenizer import Tokenizer
 from specjax.models import llama
-from specjax.sampling import SamplingParams
+from specjax.core.sampling import SamplingParams
 
 V = 128
 
@@ -94,7 +94,7 @@ def test_copy_candidate_matches_training_lookup(max_n):
     """The decode loop's copy candidate (``lookup_candidate``, JAX, per prefix) equals the
     one training uses (``distill.lookup_candidates``, NumPy, whole sequences) and the
     brute-force prompt lookup, including the matched size n."""
-    from specjax.distill import lookup_candidates
+    from specjax.train.distill import lookup_candidates
     from specjax.drafters.ngram import lookup_candidate
 
     rng = np.random.default_rng(max_n)
@@ -366,7 +366,8 @@ def test_load_drafter_checks_the_checkpoint_tokenizer(tmp_path):
 
 
 def test_unknown_draft_value(monkeypatch, capsys):
-    from specjax import cli, loading
+    from specjax import cli
+    from specjax.io import loading
     from specjax.api import load_drafter
 
     target = tiny_model(0).replace(tokenizer=word_tokenizer(WORDS))

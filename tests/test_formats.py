@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config, tiny_model
-from specjax import decode
+from specjax.runtime import decoder as decode
 from specjax.drafters.model import ModelDrafter
 from specjax.drafters.ngram import NgramDrafter
-from specjax.loading import Model, assemble_params, float_tensors, load_model, truncate_model
+from specjax.io.loading import Model, assemble_params, float_tensors, load_model, truncate_model
 from specjax.models import llama
 
 FORMATS = ["float32", "bfloat16", "int8"]
@@ -130,7 +130,7 @@ def _first_divergence(a, b):
 
 def _margin(model, ids):
     """Top-2 logit margin of ``model`` at the next position after ``ids``."""
-    from specjax.formats import teacher_forced_logits
+    from specjax.eval.formats import teacher_forced_logits
 
     lg = np.sort(teacher_forced_logits(model, ids)[-1])
     return float(lg[-1] - lg[-2])
@@ -180,7 +180,7 @@ def formats_models(default_model):
 
 def test_real_accuracy_against_float32(default_model, formats_models, real_prompts):
     """bfloat16 top-1 agreement with float32 >= 98% on real prompts; int8 reported."""
-    from specjax.formats import accuracy_report, format_report
+    from specjax.eval.formats import accuracy_report, format_report
 
     # all 10 prompts, 32 tokens: the same autoregressive programs as the exactness test below
     # (compiled once, then read from the persistent compilation cache)

@@ -20,10 +20,10 @@ from conftest import FakeStdin, tiny_model
 import specjax
 from specjax import cli
 from specjax.api import TextStream, generate_text, stop_cut
-from specjax.decode import SEED_LIMIT, Decoder, _result, request_keys, row_stats, seed_key
+from specjax.runtime.decoder import SEED_LIMIT, Decoder, _result, request_keys, row_stats, seed_key
 from specjax.drafters.model import ModelDrafter
 from specjax.drafters.ngram import NgramDrafter
-from specjax.sampling import SamplingParams
+from specjax.core.sampling import SamplingParams
 
 _COMPILED: dict = {}
 
@@ -141,7 +141,7 @@ def _teacher_forced_logprobs(model, prompt, toks, temperature):
 def test_logprobs_autoregressive_equals_speculative(tiny, temperature):
     """Every emitted token's log-probability and top-N: AR == speculative ≤ 1e-5 (greedy, same
     tokens), and both equal a teacher-forced full forward (sampled: on the speculative tokens)."""
-    from specjax.loading import truncate_model
+    from specjax.io.loading import truncate_model
 
     t = tiny["target"]
     d = ModelDrafter.from_model(truncate_model(t, 1), name="first1")  # accepts some drafts, rejects others
@@ -221,7 +221,7 @@ REAL_PROMPTS = ["Count: one two three one two three one two three", "List the da
 
 @pytest.fixture(scope="module")
 def real(default_model):
-    from specjax import shipped
+    from specjax.io import shipped
 
     return dict(model=default_model, ngram=NgramDrafter(3), default=shipped.load_default_drafter(default_model))
 

@@ -14,11 +14,11 @@ from conftest import tiny_model
 
 import specjax
 from specjax import CheckpointError, UnsupportedModelError
-from specjax.decode import Decoder, generate
-from specjax.loading import default_model_path, load_model, save_model, truncate_model
-from specjax.loading.tokenizer import Tokenizer
+from specjax.runtime.decoder import Decoder, generate
+from specjax.io.loading import default_model_path, load_model, save_model, truncate_model
+from specjax.io.tokenizer import Tokenizer
 from specjax.models import llama
-from specjax.sampling import SamplingParams
+from specjax.core.sampling import SamplingParams
 
 
 def full_logits(model, tokens) -> np.ndarray:

@@ -2,7 +2,7 @@
 
 1. Parity with transformers (float32, CPU): tiny random checkpoints of every supported
    family, written by transformers' own classes with ``save_pretrained``, loaded through
-   ``specjax.loading.load_model``; logits agree to 1e-4.
+   ``specjax.io.loading.load_model``; logits agree to 1e-4.
 2. The KV cache: cached incremental decoding (prefill, then blocks of varying size at
    per-row positions, rows of different lengths) equals one full forward pass; the mask
    is causal inside a block; rolling back is only a smaller length.
@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 from conftest import tiny_model
 
-from specjax.decode import Decoder, request_keys
-from specjax.loading import load_model
+from specjax.runtime.decoder import Decoder, request_keys
+from specjax.io.loading import load_model
 from specjax.models import llama
-from specjax.sampling import SamplingParams
+from specjax.core.sampling import SamplingParams
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -154,7 +154,7 @@ def test_parity_with_transformers(hf_checkpoint):
 def test_rope_theta_and_scaling_from_legacy_and_v5_configs():
     """transformers < 5 writes ``rope_theta`` + ``rope_scaling``; 5.x writes ``rope_parameters``.
     Both must give the same ModelConfig (reading neither silently gives theta = 10000)."""
-    from specjax.config import ModelConfig
+    from specjax.models.config import ModelConfig
 
     common = dict(model_type="llama", vocab_size=32, hidden_size=16, intermediate_size=32,
                   num_hidden_layers=1, num_attention_heads=2)
@@ -368,7 +368,7 @@ def test_row_of_batch_equals_prompt_alone_and_seeds(real):
 def test_sampling_settings_and_prompts_do_not_recompile(monkeypatch):
     """Temperature, top-k, top-p (traced per-row arrays) and another prompt of the same
     length bucket reuse the compiled programs: no new cache entry and no new lowering."""
-    import specjax.decode as decode
+    import specjax.runtime.decoder as decode
 
     lowerings = []
 

@@ -1,4 +1,4 @@
-"""Tests for specjax.sampling: process_logits, sample, SamplingParams."""
+"""Tests for specjax.core.sampling: process_logits, sample, SamplingParams."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from specjax.sampling import SamplingParams, _inverse_cdf, process_logits, sample
+from specjax.core.sampling import SamplingParams, _inverse_cdf, process_logits, sample
 
 _process = jax.jit(process_logits)
 _sample = jax.jit(sample)

@@ -22,8 +22,8 @@ import jax
 import pytest
 from jax.sharding import AbstractMesh
 
-from specjax import sharding
-from specjax.sharding import MeshSpec
+from specjax.runtime import sharding
+from specjax.runtime.sharding import MeshSpec
 
 from conftest import tiny_config
 

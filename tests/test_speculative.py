@@ -1,4 +1,4 @@
-"""Tests for specjax.speculative: exactness by enumeration, chi-square, edge cases.
+"""Tests for specjax.core.acceptance: exactness by enumeration, chi-square, edge cases.
 
 Every check goes through the real jitted ``verify`` / ``verify_row``. Two
 deliberately WRONG variants are negative controls; the tests assert that they
@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from specjax.sampling import process_logits, sample
-from specjax.speculative import verify, verify_row
+from specjax.core.sampling import process_logits, sample
+from specjax.core.acceptance import verify, verify_row
 
 _verify = jax.jit(verify)
 _verify_row = jax.jit(verify_row)

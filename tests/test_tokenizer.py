@@ -9,9 +9,9 @@ import types
 import pytest
 
 from specjax import CheckpointError
-from specjax.loading import default_model_path, load_tokenizer
-from specjax.loading import gguf_loader
-from specjax.loading.tokenizer import GGUF_PRE_TOKENIZERS, Tokenizer, gguf_pre_tokenizer
+from specjax.io.loading import default_model_path, load_tokenizer
+from specjax.io import gguf as gguf_loader
+from specjax.io.tokenizer import GGUF_PRE_TOKENIZERS, Tokenizer, gguf_pre_tokenizer
 
 
 def _bytes_to_unicode() -> dict[int, str]:

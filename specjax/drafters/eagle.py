@@ -25,7 +25,7 @@ sampled from (``-inf`` logits outside S → probability 0 after ``sampling.proce
 Only ``fc``, the block and the output norm are trained (and shipped); ``embed``,
 ``head`` and ``sub_ids`` are taken from the target at load time.
 
-Decode-loop protocol (see :mod:`specjax.drafters.base`). Let L = committed length,
+Decode-loop protocol (see :mod:`specjax.core.drafting`). Let L = committed length,
 n = last_accepted, L0 = L − n − 1 (the committed length before the last round). The
 last target call's hidden states ``target_hidden[:, j]`` are h at positions L0−1+j.
 Each round:
@@ -53,11 +53,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.config import ModelConfig
-from specjax.drafters.base import DraftContext, Proposal
+from specjax.models.config import ModelConfig
+from specjax.core.drafting import DraftContext, Proposal
 from specjax.drafters.ngram import lookup_candidate
 from specjax.models import llama
-from specjax.sampling import sample
+from specjax.core.sampling import sample
 
 COPY_KEYS = ("copy_w", "copy_b")  # the copy term's parameters (present iff copy_ngram > 0)
 TRAINABLE = ("fc", "fc_b", "layer", "out_norm") + COPY_KEYS
@@ -480,7 +480,7 @@ def load_drafter(path, target, dtype: str = "float32", name: str = "eagle", chec
     """
     from safetensors.numpy import load as st_load
 
-    from specjax.config import CheckpointError
+    from specjax.models.config import CheckpointError
 
     if dtype not in ("float32", "bfloat16", "int8"):
         raise ValueError(f"drafter dtype must be float32, bfloat16 or int8, got {dtype!r}")

@@ -8,10 +8,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from specjax.config import CheckpointError
-from specjax.drafters.base import DraftContext, Proposal
+from specjax.models.config import CheckpointError
+from specjax.core.drafting import DraftContext, Proposal
 from specjax.models import llama
-from specjax.sampling import sample
+from specjax.core.sampling import sample
 
 
 def check_vocab_compatible(target_tok, draft_tok, target_vocab: int, draft_vocab: int) -> None:
@@ -97,7 +97,7 @@ class ModelDrafter:
 
     @classmethod
     def from_model(cls, model, name: str | None = None) -> "ModelDrafter":
-        from specjax.decode import kv_cache_dtype
+        from specjax.models.llama import kv_cache_dtype
 
         return cls(model.config, model.graphdef, model.params, name or model.name or "draft",
                    cache_dtype=jnp.dtype(kv_cache_dtype(model.dtype)))

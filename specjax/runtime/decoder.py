@@ -1,373 +1,33 @@
-"""Autoregressive and speculative decoding as jitted pure functions.
+"""The :class:`Decoder`: shape buckets, compiled programs, request keys, stop handling and
+results, around the jitted loop of :mod:`specjax.runtime.loop`.
 
-One compiled program per (model configs, drafter, γ, batch, buffer bucket): the
-prefill (:func:`_start`) and the decode loop (:func:`_run`, a ``lax.while_loop``
-over rounds until every row is done or a round limit is reached, so callers can
-stream in chunks of rounds without a host sync per token).
-
-Token-buffer convention (per row): ``tokens[b, :lengths[b]]`` are committed (prompt
-then generated); the target's KV cache holds positions ``0 .. lengths-2``: the last
-committed token is the first input of the next target call, so a speculative round
-is ONE target call over ``[last committed, x_1 .. x_γ]`` at positions
-``lengths-1 .. lengths-1+γ`` and a plain step is the same with γ = 0. Buffers and
-caches keep γ + 1 spare slots beyond the longest allowed sequence, so no write is
-ever clamped onto valid entries (``dynamic_update_slice`` clamps its start index).
-
-Leviathan, Kalman & Matias (2023), Algorithm 1; Chen et al. (2023), Algorithm 2.
+A Decoder compiles one prefill and one decode-loop program per (target, drafter, γ, batch,
+buffer bucket) ahead of time, runs the loop in one call (or in chunks of rounds for
+streaming and stop strings), and turns the final :class:`~specjax.runtime.loop.DecodeState`
+into host results whose counters come from one definition (:func:`row_stats`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.config import ModelConfig
-from specjax.drafters.base import DraftContext
-from specjax.models import llama
-from specjax.progress import phase
-from specjax.sampling import SamplingParams, sample
-from specjax.speculative import verify
+from specjax.core.sampling import SamplingParams
+from specjax.models.llama import kv_cache_dtype
+from specjax.runtime.loop import (  # noqa: F401  (_start/_run/… re-exported for sharding and tests)
+    DecodeState, Logprobs, Program, Stats, _run, _run_jit, _size_for_gamma, _start, _start_jit, _start_program,
+)
+from specjax.runtime.progress import phase
 
 PROMPT_BUCKET = 32  # smallest prompt bucket; prompts pad to the next power of two ≥ this
 BUFFER_BUCKET = 64
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Stats:
-    """Per-row counters (all int32 ``[B]`` unless noted), defined exactly:
-
-    target_calls: target forward calls after prefill (verify calls and plain one-token steps).
-    draft_calls: drafter ``propose`` calls: every round of a speculative decoder (the drafter
-      runs each round, also when it proposes nothing and the round is a plain step); 0 for
-      plain autoregressive decoding.
-    drafted_tokens: draft tokens offered for checking (after the per-row cap near
-      ``max_new_tokens``; 0 for a row with no n-gram match).
-    accepted_tokens: draft tokens accepted by the rejection test.
-    checked_tokens: draft tokens the test examined: accepted ones plus the first rejected one.
-    new_tokens: tokens committed after the prompt (EOS included, nothing after it).
-    accept_hist: ``[B, γ+1]`` rounds by number of accepted draft tokens.
-    """
-
-    target_calls: jax.Array
-    draft_calls: jax.Array
-    drafted_tokens: jax.Array
-    accepted_tokens: jax.Array
-    checked_tokens: jax.Array
-    new_tokens: jax.Array
-    accept_hist: jax.Array
-
-    @classmethod
-    def zeros(cls, batch: int, gamma: int) -> "Stats":
-        z = jnp.zeros((batch,), jnp.int32)
-        return cls(z, z, z, z, z, z, jnp.zeros((batch, gamma + 1), jnp.int32))
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class DecodeState:
-    """Everything the loop carries (a pytree). ``B`` batch, ``L`` buffer slots.
-
-    tokens: ``[B, L]`` int32 committed tokens (slots ≥ lengths are stale).
-    lengths: ``[B]`` int32 committed tokens per row (prompt + new).
-    prompt_lengths, max_new: ``[B]`` int32.
-    done: ``[B]`` bool; a finished row stops changing.
-    eos: ``[B, E]`` int32 stop ids per row (−1 = unused).
-    keys: ``[B, 2]`` uint32 request keys; round r uses ``fold_in(key, r)``.
-    round: int32 scalar rounds run so far.
-    sampling: per-row sampling settings.
-    target_cache, drafter_state: KV cache pytrees.
-    target_hidden: ``[B, γ+1, D]`` hidden states of the last target call, or None.
-    last_accepted: ``[B]`` int32 draft tokens accepted in the last round (n).
-    stats: :class:`Stats`.
-    emit_round: ``[B, L]`` int32, per committed slot, the round that committed it.
-    emit_info: ``[B, L]`` int32, per committed slot: bit 0 = an accepted draft token;
-      bit 1 = its round rejected a draft; bits 2.. = draft tokens its round offered (all
-      three counted only up to the row's first EOS). :func:`row_stats` derives every
-      counter of a row from these two, also for a row cut short on the host (stop strings).
-    logprobs: :class:`Logprobs` buffers, or ``None`` when not requested.
-    """
-
-    tokens: jax.Array
-    lengths: jax.Array
-    prompt_lengths: jax.Array
-    max_new: jax.Array
-    done: jax.Array
-    eos: jax.Array
-    keys: jax.Array
-    round: jax.Array
-    sampling: SamplingParams
-    target_cache: llama.KVCache
-    drafter_state: Any
-    target_hidden: Any
-    last_accepted: jax.Array
-    stats: Stats
-    emit_round: jax.Array
-    emit_info: jax.Array
-    logprobs: Any = None
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Logprobs:
-    """Log-probabilities of committed tokens (a pytree; slot-aligned with ``tokens``).
-
-    token: ``[B, L]`` float32, ``log p(x_t)`` of the committed token in each slot.
-    top_ids: ``[B, L, N]`` int32, the N most likely ids at that position (descending).
-    top_logprobs: ``[B, L, N]`` float32, their log-probabilities.
-
-    ``p`` is the target's processed distribution (temperature, top-k, top-p: what the token
-    was sampled from, exactly as in :func:`specjax.sampling.process_logits`; filtered ids
-    have ``-inf``); for a greedy row (temperature 0), whose processed distribution is
-    one-hot, the model's raw distribution ``log_softmax(logits)`` instead. In a speculative
-    round every emitted position's ``p`` comes from the one verify call, so autoregressive
-    and speculative decoding report the same values (up to float32 kernel rounding).
-    """
-
-    token: jax.Array
-    top_ids: jax.Array
-    top_logprobs: jax.Array
-
-    @classmethod
-    def zeros(cls, batch: int, length: int, top: int) -> "Logprobs":
-        return cls(jnp.zeros((batch, length), jnp.float32), jnp.zeros((batch, length, top), jnp.int32),
-                   jnp.zeros((batch, length, top), jnp.float32))
-
-
-@dataclasses.dataclass(frozen=True)
-class Program:
-    """Static description of one compiled decode program (hashable)."""
-
-    cfg: ModelConfig
-    graphdef: Any
-    drafter: Any  # None for plain autoregressive decoding
-    gamma: int
-    buffer_len: int
-    cache_dtype: str = "float32"
-    logprobs: int = -1  # top alternatives recorded per token; -1 = no log-probabilities
-
-    @property
-    def block(self) -> int:
-        """Tokens one round may commit: γ + 1 with a drafter, else 1."""
-        return self.gamma + 1 if self.drafter is not None else 1
-
-
-def _start(prog: Program, tparams, dparams, prompt, prompt_lengths, max_new, eos, keys, sampling) -> DecodeState:
-    """Prefill: write the prompt into the buffer, fill target (and drafter) caches."""
-    b, p = prompt.shape
-    tokens = jnp.zeros((b, prog.buffer_len), jnp.int32).at[:, :p].set(prompt)
-    cache = llama.KVCache.create(prog.cfg, b, prog.buffer_len, jnp.dtype(prog.cache_dtype))
-    pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    # K/V of every prompt slot (slots ≥ length-1 hold stale values that later writes replace)
-    h, cache = llama.forward(prog.graphdef, tparams, prompt, pos, cache, prog.cfg)
-    cache = dataclasses.replace(cache, lengths=prompt_lengths - 1)
-    # Feature-level drafters read the target's hidden states of the prompt ([B, P, D]).
-    ctx = DraftContext(tokens, prompt_lengths, sampling, h, jnp.zeros((b,), jnp.int32))
-    dstate = prog.drafter.init_state(dparams, ctx, prog.buffer_len) if prog.drafter is not None else ()
-    hidden = None
-    if prog.drafter is not None:
-        hidden = jnp.zeros((b, prog.gamma + 1, prog.cfg.hidden_size), jnp.float32)
-    return DecodeState(
-        tokens=tokens,
-        lengths=prompt_lengths,
-        prompt_lengths=prompt_lengths,
-        max_new=max_new,
-        done=max_new <= 0,
-        eos=eos,
-        keys=keys,
-        round=jnp.int32(0),
-        sampling=sampling,
-        target_cache=cache,
-        drafter_state=dstate,
-        target_hidden=hidden,
-        last_accepted=jnp.zeros((b,), jnp.int32),
-        stats=Stats.zeros(b, prog.gamma if prog.drafter is not None else 0),
-        emit_round=jnp.zeros((b, prog.buffer_len), jnp.int32),
-        emit_info=jnp.zeros((b, prog.buffer_len), jnp.int32),
-        logprobs=Logprobs.zeros(b, prog.buffer_len, prog.logprobs) if prog.logprobs >= 0 else None,
-    )
-
-
-def _target_step(prog, tparams, st: DecodeState, inputs, with_hidden):
-    """One target call over ``inputs [B, T]`` at positions ``lengths-1 + arange(T)``."""
-    t = inputs.shape[1]
-    pos = (st.lengths - 1)[:, None] + jnp.arange(t, dtype=jnp.int32)
-    out = llama.apply(prog.graphdef, tparams, inputs, pos, st.target_cache, prog.cfg, return_hidden=with_hidden)
-    return st.sampling.process(out.logits), out.logits, out.cache, out.hidden
-
-
-def _emitted_logprobs(prog: Program, sampling: SamplingParams, p, logits, chunk, width: int):
-    """Log-probabilities of ``chunk [B, T]`` under ``p [B, T, V]`` (or ``log_softmax(logits)``
-    for greedy rows) and the top ``prog.logprobs`` alternatives, padded to ``width`` positions
-    (see :class:`Logprobs`). Returns ``(token [B, W], top_ids [B, W, N], top_logprobs [B, W, N])``."""
-    greedy = (sampling.temperature <= 0.0)[:, None, None]
-    lp = jnp.where(greedy, jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), jnp.log(p))
-    tok = jnp.take_along_axis(lp, chunk[..., None], axis=-1)[..., 0]
-    if prog.logprobs > 0:
-        top_lp, top_ids = jax.lax.top_k(lp, prog.logprobs)
-    else:
-        top_lp = jnp.zeros(lp.shape[:2] + (0,), jnp.float32)
-        top_ids = jnp.zeros(lp.shape[:2] + (0,), jnp.int32)
-    pad = width - chunk.shape[1]
-    if pad:
-        tok = jnp.pad(tok, ((0, 0), (0, pad)))
-        top_ids = jnp.pad(top_ids, ((0, 0), (0, pad), (0, 0)))
-        top_lp = jnp.pad(top_lp, ((0, 0), (0, pad), (0, 0)))
-    return tok, top_ids.astype(jnp.int32), top_lp
-
-
-def _commit(st: DecodeState, chunk, count):
-    """Append ``chunk[b, :count[b]]`` per row, cut after an EOS. Returns ``(tokens, lengths,
-    new_tokens, done, count)`` with ``count [B]`` the tokens each row actually committed."""
-    active = ~st.done
-    width = chunk.shape[1]
-    in_count = jnp.arange(width)[None, :] < count[:, None]
-    is_eos = jnp.any(chunk[:, :, None] == st.eos[:, None, :], axis=-1) & in_count
-    has_eos = jnp.any(is_eos, axis=1)
-    count = jnp.where(has_eos, jnp.argmax(is_eos, axis=1) + 1, count)
-    count = jnp.where(active, count, 0).astype(jnp.int32)
-    tokens = jax.vmap(lambda row, c, s: jax.lax.dynamic_update_slice(row, c, (s,)))(st.tokens, chunk, st.lengths)
-    lengths = st.lengths + count
-    new = st.stats.new_tokens + count
-    done = st.done | (active & has_eos) | (new >= st.max_new)
-    return tokens, lengths, new, done, count
-
-
-def _write_rows(buf, values, starts):
-    """``buf[b, starts[b]:starts[b]+W] = values[b]`` per row (``buf [B, L, ...]``)."""
-    zeros = (0,) * (buf.ndim - 2)
-    return jax.vmap(lambda row, v, s: jax.lax.dynamic_update_slice(row, v, (s, *zeros)))(buf, values, starts)
-
-
-def _round(prog: Program, tparams, dparams, st: DecodeState) -> DecodeState:
-    """One round for every row: a speculative round (drafter → one target call →
-    acceptance → commit), or a plain one-token step when nothing can be accepted.
-
-    Counters count only what is committed: when an EOS lands on an accepted draft token,
-    the drafts after it are neither accepted, checked nor offered (``accepted ≤ new``)."""
-    b = st.lengths.shape[0]
-    g = prog.gamma
-    width = prog.block
-    active = ~st.done
-    rkeys = jax.vmap(lambda k: jax.random.split(jax.random.fold_in(k, st.round), g + 2))(st.keys)  # [B, γ+2, 2]
-    res_keys = rkeys[:, g + 1]
-    last = jnp.take_along_axis(st.tokens, (st.lengths - 1)[:, None], axis=1)  # [B, 1]
-    remaining = st.max_new - st.stats.new_tokens
-    vocab = prog.cfg.vocab_size
-    zeros = jnp.zeros((b,), jnp.int32)
-
-    def chunk_of(drafts, n, nxt):  # [B, W]: drafts x_1..x_n, then the residual/bonus token at n
-        chunk = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
-        return jnp.where(jnp.arange(width)[None, :] == n[:, None], nxt[:, None], chunk)
-
-    def logprobs_of(p, logits, chunk):
-        if prog.logprobs < 0:
-            return None
-        t = p.shape[1]
-        return _emitted_logprobs(prog, st.sampling, p, logits, chunk[:, :t], width)
-
-    def plain(st, dstate):
-        p, logits, cache, hidden = _target_step(prog, tparams, st, last, prog.drafter is not None)
-        nxt = jax.vmap(sample)(res_keys, p[:, 0])
-        hid = None
-        if prog.drafter is not None:  # the one hidden state sits at index 0 (= n) of the block
-            hid = jnp.zeros_like(st.target_hidden).at[:, :1].set(hidden)
-        chunk = chunk_of(jnp.zeros((b, width - 1), jnp.int32), zeros, nxt)
-        return cache, zeros, chunk, zeros, dstate, hid, logprobs_of(p, logits, chunk)
-
-    if prog.drafter is None:
-        cache, n, chunk, allowed, dstate, hidden, lps = plain(st, st.drafter_state)
-    else:
-        ctx = DraftContext(st.tokens, st.lengths, st.sampling, st.target_hidden, st.last_accepted)
-        prop = prog.drafter.propose(dparams, st.drafter_state, ctx, rkeys[:, :g], g, vocab)
-        allowed = jnp.clip(jnp.minimum(prop.num_valid, remaining - 1), 0, g).astype(jnp.int32)
-        allowed = jnp.where(active, allowed, 0)
-        u = jax.vmap(lambda k: jax.random.uniform(k, (g,), jnp.float32))(rkeys[:, g])
-
-        def spec(st, dstate):
-            inputs = jnp.concatenate([last, prop.tokens], axis=1)
-            p, logits, cache, hidden = _target_step(prog, tparams, st, inputs, True)
-            n, nxt, _ = verify(prop.tokens, prop.probs, p, u, res_keys, allowed)
-            chunk = chunk_of(prop.tokens, n, nxt)
-            return cache, n, chunk, allowed, dstate, hidden, logprobs_of(p, logits, chunk)
-
-        def no_match(st, dstate):
-            cache, n, chunk, _, dstate, hid, lps = plain(st, dstate)
-            return cache, n, chunk, jnp.zeros_like(allowed), dstate, hid, lps
-
-        # When no row can accept anything, a γ+1-token verify call would be wasted.
-        cache, n, chunk, allowed, dstate, hidden, lps = jax.lax.cond(
-            jnp.any(allowed > 0), spec, no_match, st, prop.state
-        )
-    tokens, lengths, new, done, count = _commit(st, chunk, n + 1)
-
-    # Count only committed tokens: an EOS on an accepted draft (count <= n) ends the round there.
-    a = active.astype(jnp.int32)
-    cut = count <= n
-    accepted = jnp.where(cut, count, n) * a
-    rejected = ((n < allowed) & ~cut).astype(jnp.int32) * a
-    drafted = jnp.where(cut, count, allowed) * a
-    s = st.stats
-    stats = Stats(
-        target_calls=s.target_calls + a,
-        draft_calls=s.draft_calls + (a if prog.drafter is not None else 0),
-        drafted_tokens=s.drafted_tokens + drafted,
-        accepted_tokens=s.accepted_tokens + accepted,
-        checked_tokens=s.checked_tokens + accepted + rejected,
-        new_tokens=new,
-        accept_hist=s.accept_hist + a[:, None] * jax.nn.one_hot(accepted, s.accept_hist.shape[1], dtype=jnp.int32),
-    )
-    info = ((jnp.arange(width)[None, :] < accepted[:, None]).astype(jnp.int32)
-            + 2 * rejected[:, None] + 4 * drafted[:, None])
-    emit_info = _write_rows(st.emit_info, info, st.lengths)
-    emit_round = _write_rows(st.emit_round, jnp.broadcast_to(st.round, (b, width)).astype(jnp.int32), st.lengths)
-    logprobs = st.logprobs
-    if lps is not None:
-        logprobs = Logprobs(*(_write_rows(buf, v, st.lengths) for buf, v in
-                              zip((logprobs.token, logprobs.top_ids, logprobs.top_logprobs), lps)))
-    cache = dataclasses.replace(cache, lengths=lengths - 1)
-    return dataclasses.replace(
-        st, tokens=tokens, lengths=lengths, done=done, round=st.round + 1, target_cache=cache,
-        drafter_state=dstate, target_hidden=hidden, last_accepted=n, stats=stats,
-        emit_round=emit_round, emit_info=emit_info, logprobs=logprobs,
-    )
-
-
-def _run(prog: Program, tparams, dparams, st: DecodeState, round_limit) -> DecodeState:
-    """``lax.while_loop`` of rounds until every row is done or ``round`` reaches ``round_limit``."""
-    return jax.lax.while_loop(
-        lambda s: jnp.any(~s.done) & (s.round < round_limit),
-        lambda s: _round(prog, tparams, dparams, s),
-        st,
-    )
-
-
-def _start_program(prog: Program) -> Program:
-    """The program :func:`_start` is compiled for: γ only shapes the zero ``target_hidden``
-    and ``accept_hist`` (see :func:`_size_for_gamma`), so it is normalized to 1."""
-    return dataclasses.replace(prog, gamma=1) if prog.drafter is not None and prog.gamma != 1 else prog
-
-
-def _size_for_gamma(st: DecodeState, prog: Program) -> DecodeState:
-    """Give a state from the γ-normalized prefill the zero ``[B, γ+1, ·]`` arrays of ``prog``."""
-    b = st.lengths.shape[0]
-    # distinct buffers (the run program donates the state; Stats.zeros shares one array)
-    stats = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), Stats.zeros(b, prog.gamma))
-    return dataclasses.replace(
-        st, target_hidden=jnp.zeros((b, prog.gamma + 1, prog.cfg.hidden_size), jnp.float32), stats=stats
-    )
-
-
-_start_jit = jax.jit(_start, static_argnums=0)
-_run_jit = jax.jit(_run, static_argnums=0, donate_argnums=3)
-
-
-# --------------------------------------------------------------------------- host API
 @dataclasses.dataclass
 class GenerationResult:
     """Output of :func:`generate` for a batch.
@@ -400,16 +60,14 @@ class GenerationResult:
         return n / self.decode_s if self.decode_s > 0 else float("nan")
 
 
-def kv_cache_dtype(weight_format: str) -> str:
-    """KV-cache dtype for a weight format: bfloat16 caches for bfloat16 weights on GPU/TPU;
-    float32 otherwise (XLA CPU has no fast batched bf16 attention dot)."""
-    if weight_format == "bfloat16" and jax.default_backend() != "cpu":
-        return "bfloat16"
-    return "float32"
-
-
 def _bucket(n: int, size: int) -> int:
     return max(size, -(-n // size) * size)
+
+
+def decode_buffer_len(prompt_len: int, max_new_tokens: int, gamma: int) -> int:
+    """Token/KV buffer slots of a program for prompts of up to ``prompt_len`` tokens: the
+    prompt bucket + ``max_new_tokens`` + γ + 1 spare slots, rounded up to ``BUFFER_BUCKET``."""
+    return _bucket(prompt_bucket(int(prompt_len)) + int(max_new_tokens) + int(gamma) + 1, BUFFER_BUCKET)
 
 
 def prompt_bucket(n: int) -> int:
@@ -481,12 +139,12 @@ class Decoder:
     so prompts of the same bucket never recompile.
 
     ``mesh``: a ``jax.sharding.Mesh`` with axes ``data``/``model``, a
-    :class:`specjax.sharding.MeshSpec` or ``"data=D,model=M"``; by default the mesh the
+    :class:`specjax.runtime.sharding.MeshSpec` or ``"data=D,model=M"``; by default the mesh the
     target's parameters are already sharded on (``MeshSpec.load_model``), else one device.
     On a mesh, parameters (target and drafter, each by its own config), caches and rows
-    are sharded (:mod:`specjax.sharding`); a batch is padded to a multiple of ``data``.
+    are sharded (:mod:`specjax.runtime.sharding`); a batch is padded to a multiple of ``data``.
 
-    ``progress``: a :class:`specjax.progress.Progress` that gets one stderr line per compile
+    ``progress``: a :class:`specjax.runtime.progress.Progress` that gets one stderr line per compile
     phase (the command line passes one), or ``None`` (silent).
     """
 
@@ -494,7 +152,7 @@ class Decoder:
         self.progress = progress
         if drafter is not None and (int(gamma) != gamma or gamma < 1):
             raise ValueError(f"gamma (num_draft_tokens) must be an integer >= 1, got {gamma!r}")
-        from specjax import sharding
+        from specjax.runtime import sharding
 
         self.mesh, target, drafter = sharding.prepare_decoder(target, drafter, mesh)
         self.target = target
@@ -515,7 +173,7 @@ class Decoder:
         t0 = time.perf_counter()
         fn = _start_jit if which == "start" else _run_jit
         if self.mesh is not None:
-            from specjax import sharding
+            from specjax.runtime import sharding
 
             fn = sharding.decode_jit(which, prog, args, self.mesh)
         compiled = fn.lower(prog, *args).compile()
@@ -548,7 +206,7 @@ class Decoder:
         mn = np.broadcast_to(np.asarray(max_new_tokens, np.int64), (b,))
         mn = np.minimum(mn, ctx_limit - plens).astype(np.int32)  # the context limit, per row
         p_bucket = prompt_bucket(int(plens.max()))
-        buf = _bucket(p_bucket + int(mn.max()) + self.gamma + 1, BUFFER_BUCKET)
+        buf = decode_buffer_len(int(plens.max()), int(mn.max()), self.gamma)
         prompt = np.zeros((b, p_bucket), np.int32)
         for i, p in enumerate(prompts):
             prompt[i, : len(p)] = p
@@ -565,7 +223,7 @@ class Decoder:
         args = (self.target.params, dparams, jnp.asarray(prompt), jnp.asarray(plens), jnp.asarray(mn),
                 jnp.asarray(eos_arr), jnp.asarray(keys), sampling)
         if self.mesh is not None:  # rows on `data` (padded to a multiple of it)
-            from specjax import sharding
+            from specjax.runtime import sharding
 
             args = sharding.shard_start_args(args, self.mesh)
         return prog, args
@@ -599,7 +257,7 @@ class Decoder:
         dparams = None if self.drafter is None else self.drafter.params
         args = (self.target.params, dparams, st, jnp.int32(round_limit))
         if self.mesh is not None:
-            from specjax import sharding
+            from specjax.runtime import sharding
 
             args = (*args[:3], sharding.put_replicated(args[3], self.mesh))
         return args
@@ -615,7 +273,7 @@ class Decoder:
     def _host(self, st):
         if self.mesh is None:
             return st
-        from specjax.sharding import host_view
+        from specjax.runtime.sharding import host_view
 
         return host_view(st)
 
@@ -801,7 +459,7 @@ def generate(target, prompts, *, drafter=None, gamma: int = 4, **kw) -> Generati
     """Decode token-id prompts with ``target``; speculative when ``drafter`` is given.
 
     Args:
-      target: a loaded :class:`~specjax.loading.Model`.
+      target: a loaded :class:`~specjax.io.loading.Model`.
       prompts: list of B token-id lists (different lengths allowed).
       drafter: ``None`` (autoregressive) or a drafter (:mod:`specjax.drafters`).
       gamma: draft tokens per round γ (``num_draft_tokens``), ≥ 1.

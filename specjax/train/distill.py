@@ -38,7 +38,6 @@ their greedy answers — text the drafter never saw.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shutil
@@ -853,12 +852,11 @@ def _not_started(out: str) -> bool:
 
 
 def run(args) -> dict:
-    import jax
     import jax.numpy as jnp
     import orbax.checkpoint as ocp
 
     from specjax.drafters import eagle
-    from specjax.loading import load_model
+    from specjax.io.loading import load_model
 
     out = os.path.abspath(args.out)
     run_file = os.path.join(out, "run.json")
@@ -1078,11 +1076,7 @@ def bench(args) -> dict:
     each γ, ``ngram`` and the untrained truncated target (first 2 layers), greedy, batch 1,
     interleaved prompt by prompt (all kinds see the same machine load); compile time excluded.
     Also checks that every speculative output equals the autoregressive one."""
-    from specjax.api import load_drafter
-    from specjax.decode import Decoder
-    from specjax.drafters import eagle
-    from specjax.drafters.model import ModelDrafter
-    from specjax.loading import load_model, truncate_model
+    from specjax.io.loading import load_model
 
     out = os.path.abspath(args.out)
     if os.path.exists(out) and not os.path.isdir(out):
@@ -1110,7 +1104,7 @@ def bench(args) -> dict:
     if args.bench_limit:
         recs = recs[: args.bench_limit]
     prompts = [_encode(target, r, True) for r in recs]
-    import specjax.decode as sd
+    import specjax.runtime.decoder as sd
 
     saved_bucket = sd.PROMPT_BUCKET
     sd.PROMPT_BUCKET = 512  # few prompt-shape buckets: each new bucket compiles every decoder again
@@ -1122,10 +1116,10 @@ def bench(args) -> dict:
 
 def _bench_run(args, out, target, recs, prompts, gammas):
     from specjax.api import load_drafter
-    from specjax.decode import Decoder
+    from specjax.runtime.decoder import Decoder
     from specjax.drafters import eagle
     from specjax.drafters.model import ModelDrafter
-    from specjax.loading import truncate_model
+    from specjax.io.loading import truncate_model
 
     dr = (load_drafter("default", target) if args.bench == "default"
           else eagle.load_drafter(args.bench, target))
@@ -1188,82 +1182,9 @@ def _parse_gammas(text: str) -> list[int]:
 
 def _check_out_dir(out: str) -> None:
     """Fail before any work when the run directory cannot be created or written."""
-    from specjax.bench import check_writable
+    from specjax.eval.bench import check_writable
 
     try:
         check_writable(os.path.join(out, "run.json"))
     except ValueError as e:
         raise DistillError(str(e).replace(f"--out {os.path.join(out, 'run.json')}", f"--out {out}")) from None
-
-
-def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="target (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--out", required=True, help="run directory (refused if it exists, unless --resume)")
-    p.add_argument("--arch", default="eagle", choices=["eagle"], help="drafter kind")
-    p.add_argument("--prompts", default=None, help="JSONL prompts (Spec-Bench 'turns', 'prompt' or 'ids')")
-    p.add_argument("--split", default=None, help="JSON {'train': [question ids], 'eval': [...]}")
-    p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=8, help="windows per step")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup", type=int, default=50)
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--checkpoint-every", type=int, default=50)
-    p.add_argument("--data", default="target", choices=["target", "drafter", "both"])
-    p.add_argument("--data-dir", default=None, nargs="+", metavar="DIR",
-                   help="reuse the data set(s) of other runs (their DIR/data; several are merged, shared greedy "
-                        "continuations kept once) instead of generating one")
-    p.add_argument("--onpolicy-after", type=int, default=0)
-    p.add_argument("--gamma", type=int, default=4)
-    p.add_argument("--sub-vocab", type=int, default=8192, help="head rows: most frequent target tokens")
-    p.add_argument("--intermediate", type=int, default=1024, help="drafter MLP width")
-    p.add_argument("--copy-ngram", type=int, default=0, metavar="N",
-                   help="add a learned copy term over the prompt-lookup candidate (n-grams up to N; 0 = none)")
-    p.add_argument("--self-prompts", type=int, default=0, metavar="N",
-                   help="also train on N prompts written by the target itself (Magpie) and its greedy answers")
-    p.add_argument("--train-only", default=None, choices=["copy"],
-                   help="'copy': fit only the copy term of the --init-from drafter (on the self-prompt sequences "
-                        "when --self-prompts is given: text the drafter has not memorized)")
-    p.add_argument("--init-from", default=None, metavar="DRAFTER_DIR",
-                   help="start from a saved drafter's weights and sub-vocabulary (e.g. models/...; new copy-term "
-                        "parameters start at zero)")
-    p.add_argument("--window", type=int, default=192, help="positions per training window")
-    p.add_argument("--max-new-tokens", type=int, default=96, help="target continuation length")
-    p.add_argument("--max-prompt-tokens", type=int, default=96, help="keep the last N prompt tokens")
-    p.add_argument("--gen-batch", type=int, default=16)
-    p.add_argument("--samples-per-prompt", type=int, default=1,
-                   help="continuations per training prompt: 1 greedy + N-1 sampled at --data-temperature")
-    p.add_argument("--data-temperature", type=float, default=0.8,
-                   help="temperature of the extra sampled continuations (the stored targets stay temperature 1)")
-    p.add_argument("--topk", type=int, default=16, help="target probabilities stored per position")
-    p.add_argument("--ce-weight", type=float, default=1.0)
-    p.add_argument("--ce", default="full", choices=["full", "topk"],
-                   help="cross-entropy over the whole sub-vocabulary, or only among the target's top-k")
-    p.add_argument("--unroll-weight", type=float, default=0.5)
-    p.add_argument("--no-chat", dest="chat", action="store_false", help="prompts without the chat template")
-    p.add_argument("--export-only", action="store_true",
-                   help="with --resume: write DIR/drafter from the latest checkpoint (a run stopped early)")
-    p.add_argument("--bench", default=None, metavar="DRAFTER_DIR",
-                   help="instead of training: benchmark a distilled drafter ('default' = the shipped one) on the "
-                        "--split eval prompts vs autoregressive, ngram and the truncated target; results in --out")
-    p.add_argument("--bench-gammas", default="2,3,4,5")
-    p.add_argument("--bench-per-category", type=int, default=0, help="limit eval prompts per category (0 = all)")
-    p.add_argument("--bench-limit", type=int, default=0, help="at most N eval prompts (0 = all)")
-
-
-def cmd_distill(args) -> int:
-    if args.bench:
-        if not (args.prompts and args.split):
-            raise DistillError("--bench needs --prompts and --split (the evaluation question ids)")
-        bench(args)
-        return 0
-    run(args)
-    return 0
-
-
-def register_cli(subparsers) -> None:
-    p = subparsers.add_parser("distill", help="train a drafter for a target (optax + orbax, resumable)")
-    add_args(p)
-    p.set_defaults(func=cmd_distill)

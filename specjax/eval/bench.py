@@ -31,7 +31,6 @@ prompt uses the request key ``fold_in(PRNGKey(seed), index)`` whatever the metho
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime as _dt
 import json
@@ -58,50 +57,6 @@ SUMMARY_FIELDS = ("tokens_per_s", "speedup", "speedup_decode_time", "mean_accept
                   "prefill_s", "wall_s", "bandwidth_gb_s")
 
 
-def _usage(msg: str) -> Exception:
-    from specjax.cli import UsageError
-
-    return UsageError(msg)
-
-
-# --------------------------------------------------------------------------- CLI
-def register_cli(subparsers) -> None:
-    from specjax.cli import add_model_args
-
-    p = subparsers.add_parser(
-        "bench",
-        help="throughput of autoregressive vs speculative decoding per category (Spec-Bench style)",
-        description=(
-            "Benchmark the autoregressive baseline and every drafter × γ on a prompts file "
-            "(JSONL with 'prompt', or Spec-Bench 'turns' + 'category'). Methods run interleaved per "
-            "batch; compile and warm-up are excluded from throughput. Markdown table on stdout, "
-            "--json for the full results, --out FILE to save them."
-        ),
-        conflict_handler="resolve",
-    )
-    p.add_argument("--prompts", metavar="FILE", required=True,
-                   help="JSONL: 'prompt' or Spec-Bench 'turns' (first turn used) + optional 'category', 'question_id'")
-    p.add_argument("--categories", nargs="+", default=None, metavar="C",
-                   help="categories to keep (space- or comma-separated; default: all)")
-    p.add_argument("--limit", type=int, default=None, metavar="N", help="at most N prompts per category (file order)")
-    p.add_argument("--split", default=None, metavar="FILE[:PART]",
-                   help="keep the prompts whose question_id is in PART (default eval) of a split JSON "
-                        "{'train': [ids], 'eval': [ids]}, e.g. the drafter's configs/spec_bench_split.json")
-    add_model_args(p, multi_draft=True)
-    # bench overrides: several weight formats; chat on by default
-    p.add_argument("--dtype", nargs="+", default=None, choices=["float32", "bfloat16", "int8"],
-                   help="target weight format(s); several run as an outer loop (default float32)")
-    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
-                   help="wrap prompts in the model's chat template (default: on; --no-chat to turn off)")
-    p.add_argument("--warmup", type=int, default=1, metavar="K",
-                   help="untimed warm-up runs of the first batch per method (default 1)")
-    p.add_argument("--out", metavar="FILE", default=None, help="write the full results as JSON (refuses to overwrite)")
-    p.add_argument("--force", action="store_true", help="allow --out to overwrite an existing file")
-    p.add_argument("--json", action="store_true", help="print the full results as JSON on stdout (no table)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    p.set_defaults(func=cmd_bench)
-
-
 def split_categories(values: Sequence[str] | str | None) -> list[str] | None:
     if values is None:
         return None
@@ -118,13 +73,13 @@ def select_prompts(prompts: list[dict], categories: Sequence[str] | str | None, 
       UsageError: ``limit < 1``, an unknown category (lists the known ones), nothing left.
     """
     if limit is not None and limit < 1:
-        raise _usage(f"--limit must be >= 1, got {limit}")
+        raise ValueError(f"--limit must be >= 1, got {limit}")
     want = split_categories(categories)
     if want:
         have = sorted({p["category"] for p in prompts})
         unknown = [c for c in want if c not in have]
         if unknown:
-            raise _usage(f"--categories: unknown {unknown}; the prompts file has {have}")
+            raise ValueError(f"--categories: unknown {unknown}; the prompts file has {have}")
         prompts = [p for p in prompts if p["category"] in want]
     if limit is not None:
         seen: dict[str, int] = {}
@@ -136,7 +91,7 @@ def select_prompts(prompts: list[dict], categories: Sequence[str] | str | None, 
                 seen[p["category"]] = n + 1
         prompts = kept
     if not prompts:
-        raise _usage("no prompts left after --categories/--limit")
+        raise ValueError("no prompts left after --categories/--limit")
     return prompts
 
 
@@ -157,24 +112,24 @@ def filter_split(prompts: list[dict], spec: str | None) -> list[dict]:
 
         shipped = resources.files("specjax.shipped_configs") / os.path.basename(path)
         if not shipped.is_file():
-            raise _usage(f"--split: no such file: {path}")
+            raise ValueError(f"--split: no such file: {path}")
         path = str(shipped)
     try:
         with open(path, encoding="utf-8-sig") as f:
             split = json.load(f)
     except (OSError, ValueError) as e:
         why = e.strerror if isinstance(e, OSError) and e.strerror else " ".join(str(e).split())
-        raise _usage(f"--split: cannot read {path} as JSON ({why})") from None
+        raise ValueError(f"--split: cannot read {path} as JSON ({why})") from None
     if not isinstance(split, dict) or not isinstance(split.get(part), list):
         parts = sorted(k for k, v in split.items() if isinstance(v, list)) if isinstance(split, dict) else []
         if not parts:
-            raise _usage(f"--split: {path} is not a split file; expected a JSON object of question-id lists, "
+            raise ValueError(f"--split: {path} is not a split file; expected a JSON object of question-id lists, "
                          "e.g. {\"train\": [1, 2], \"eval\": [3]}")
-        raise _usage(f"--split: {path} has no list {part!r}; it has {parts} (use FILE:PART, e.g. {path}:{parts[0]})")
+        raise ValueError(f"--split: {path} has no list {part!r}; it has {parts} (use FILE:PART, e.g. {path}:{parts[0]})")
     ids = {i for i in split[part] if isinstance(i, (int, str))}
     kept = [p for p in prompts if p["question_id"] in ids]
     if not kept:
-        raise _usage(f"--split: none of the prompts has a question_id in {path}:{part}")
+        raise ValueError(f"--split: none of the prompts has a question_id in {path}:{part}")
     return kept
 
 
@@ -192,9 +147,9 @@ def make_batches(prompts: Sequence[dict], batch_size: int) -> list[list[int]]:
 
 def check_out_path(path: str | None, force: bool) -> None:
     if path and os.path.exists(path) and not force:
-        raise _usage(f"--out {path} exists; choose another file or pass --force to overwrite it")
+        raise ValueError(f"--out {path} exists; choose another file or pass --force to overwrite it")
     if path and os.path.isdir(path):
-        raise _usage(f"--out {path} is a directory; give a file name")
+        raise ValueError(f"--out {path} is a directory; give a file name")
 
 
 def check_writable(path: str | None, flag: str = "--out") -> None:
@@ -216,7 +171,7 @@ def check_writable(path: str | None, flag: str = "--out") -> None:
             created.append(cur)
             cur = os.path.dirname(cur)
         if not os.path.isdir(cur):
-            raise _usage(f"{flag} {path}: {cur} is a file, not a directory; choose another path")
+            raise ValueError(f"{flag} {path}: {cur} is a file, not a directory; choose another path")
         os.makedirs(d, exist_ok=True)
         with open(probe, "w"):
             pass
@@ -227,7 +182,7 @@ def check_writable(path: str | None, flag: str = "--out") -> None:
                 os.rmdir(c)
             except OSError:
                 pass
-        raise _usage(f"{flag} {path}: cannot write there ({e.strerror or e}); choose a writable path") from None
+        raise ValueError(f"{flag} {path}: cannot write there ({e.strerror or e}); choose a writable path") from None
 
 
 def write_json(path: str, obj: Any, force: bool) -> None:
@@ -241,7 +196,7 @@ def write_json(path: str, obj: Any, force: bool) -> None:
         f.write("\n")
     if not force and os.path.exists(path):  # appeared meanwhile: keep what the user wrote
         os.remove(tmp)
-        raise _usage(f"--out {path} appeared while the benchmark ran; results not written (pass --force)")
+        raise ValueError(f"--out {path} appeared while the benchmark ran; results not written (pass --force)")
     os.replace(tmp, path)
 
 
@@ -293,9 +248,12 @@ def machine_info() -> dict:
         info["numpy"] = numpy.__version__
     except ImportError:  # pragma: no cover
         pass
-    import specjax
+    from importlib.metadata import PackageNotFoundError, version
 
-    info["specjax"] = specjax.__version__
+    try:
+        info["specjax"] = version("specjax")
+    except PackageNotFoundError:  # pragma: no cover - run from a source tree
+        info["specjax"] = "unknown"
     return info
 
 
@@ -463,7 +421,7 @@ def _load_drafter(spec: str, target, dtype: str):
         return load_drafter(spec, target, dtype=dtype)
     except ImportError as e:
         if spec == "default":
-            raise _usage(f"--draft default: no trained drafter is available in this install ({e}); "
+            raise ValueError(f"--draft default: no trained drafter is available in this install ({e}); "
                          "train one with `specjax distill` or pass a drafter path") from None
         raise
 
@@ -509,10 +467,10 @@ def run_bench(
     from tqdm import tqdm
 
     from specjax.api import encode_prompts
-    from specjax.decode import Decoder, seed_key
-    from specjax.loading import load_model
+    from specjax.runtime.decoder import Decoder, seed_key
+    from specjax.io.loading import load_model
     from specjax.models import llama
-    from specjax.sampling import SamplingParams
+    from specjax.core.sampling import SamplingParams
 
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     drafts = [d for d in dict.fromkeys(drafts) if d not in (None, "none")]
@@ -557,7 +515,7 @@ def run_bench(
                     methods.append((s, Decoder(target, drafter, g, mesh=mesh), g if dbytes else 0))
             for s, _, _ in methods:
                 if s.name in records:
-                    raise _usage(f"two methods are both named {s.name!r}; give distinct --draft values")
+                    raise ValueError(f"two methods are both named {s.name!r}; give distinct --draft values")
                 records[s.name] = []
                 specs.append(s)
 
@@ -644,61 +602,3 @@ def run_bench(
         "machine": machine_info(),
     }
     return {"config": config, "methods": summary, "prompts": prompt_records}
-
-
-def cmd_bench(args) -> int:
-    from specjax.api import load_pair_config, read_prompts
-    from specjax.cli import parse_gamma, resolve
-
-    check_out_path(args.out, args.force)
-    if args.warmup < 0:
-        raise _usage(f"--warmup must be >= 0, got {args.warmup}")
-    dtypes_flag = args.dtype
-    args.dtype = None  # resolve() handles one format; bench loops over several
-    chat_flag = args.chat
-    args.chat = None
-    s = resolve(args, default_draft="ngram")
-    cfg = load_pair_config(args.config) if args.config else {}
-    dtypes = list(dtypes_flag) if dtypes_flag else [cfg.get("dtype", "float32")]
-    chat = chat_flag if chat_flag is not None else bool(cfg.get("chat", True))
-    draft_dtype = args.draft_dtype or cfg.get("draft_dtype")
-    drafts = s["draft"]
-    if drafts is None:
-        drafts = ["ngram"]
-    elif isinstance(drafts, str):
-        drafts = [drafts]
-    gammas_raw = s["gamma"]
-    if gammas_raw is None:
-        gammas_raw = [4]
-    elif not isinstance(gammas_raw, (list, tuple)):
-        gammas_raw = [gammas_raw]
-    gammas = []
-    for g in gammas_raw:
-        v = parse_gamma(g)
-        if v == "auto":
-            raise _usage("--gamma auto is not supported by bench; give the values to compare, e.g. --gamma 3 4 5")
-        gammas.append(v)
-
-    prompts = select_prompts(filter_split(read_prompts(args.prompts), args.split), args.categories, args.limit)
-    check_writable(args.out)  # before the benchmark runs, not after
-    results = run_bench(
-        prompts, model=s["model"], drafts=drafts, gammas=gammas, dtypes=dtypes, draft_dtype=draft_dtype,
-        temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"], seed=args.seed,
-        batch_size=args.batch_size, max_new_tokens=s["max_new_tokens"], chat=chat, ignore_eos=args.ignore_eos,
-        warmup=args.warmup, mesh=args.mesh, progress=not args.no_progress,
-    )
-    results["config"]["prompts_file"] = os.path.abspath(args.prompts)
-    results["config"]["categories"] = split_categories(args.categories)
-    results["config"]["limit"] = args.limit
-    if args.out:
-        write_json(args.out, results, args.force)
-        print(f"specjax bench: wrote {args.out}", file=sys.stderr)
-    if args.json:
-        print(json.dumps(results, default=_json_default))
-    else:
-        print(markdown_tables(results))
-    mm = results["config"].get("greedy_mismatches_vs_ar")
-    if mm:
-        print(f"specjax bench: warning: {mm} greedy speculative output(s) differ from autoregressive "
-              "(expected only in reduced-precision formats)", file=sys.stderr)
-    return 0

@@ -1,22 +1,19 @@
-"""``specjax`` command line: ``generate`` here; ``bench``, ``analyze`` and ``distill`` are
-registered by their modules (``register_cli(subparsers)``).
+"""Shared pieces of the command line: argument groups, settings from flags and pair configs
+(validated before anything expensive), prompts, and the one-line error form.
 
-Errors in the user's input print one line ``specjax: error: …`` (what was wrong and
-how to fix it) and exit with status 2, without a traceback.
+Every user error becomes one line ``specjax: error: …`` (:func:`describe_error`) with exit
+status 2; ``SPECJAX_DEBUG=1`` re-raises with the traceback.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import re
 import sys
 
-from specjax.config import CheckpointError
-
-SUBCOMMAND_MODULES = ("specjax.bench", "specjax.analysis_cli", "specjax.distill")
+from specjax.models.config import CheckpointError
 
 
 class UsageError(ValueError):
@@ -181,7 +178,7 @@ def _check_settings(args, s: dict) -> None:
         raise UsageError(f"--top-k must be >= 0 (0 = off), got {s['top_k']}")
     if getattr(args, "batch_size", 1) < 1:
         raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
-    from specjax.decode import SEED_LIMIT
+    from specjax.runtime.decoder import SEED_LIMIT
 
     seed = getattr(args, "seed", 0)
     if not 0 <= seed < SEED_LIMIT:
@@ -198,7 +195,7 @@ def _check_settings(args, s: dict) -> None:
         note(f"--gamma {' '.join(str(g) for g in gammas)} has no effect without a drafter "
              "(autoregressive decoding); add --draft ngram (or default, or a drafter path) to speculate")
     if getattr(args, "mesh", None):
-        from specjax import sharding
+        from specjax.runtime import sharding
 
         sharding.MeshSpec.parse(args.mesh)
 
@@ -243,41 +240,14 @@ def collect_prompts(args) -> list[dict]:
 def load_target_and_drafter(s: dict, draft_spec=None, mesh=None):
     """Load the target and (optionally) one drafter from resolved settings."""
     from specjax.api import load_drafter
-    from specjax.loading import load_model
+    from specjax.io.loading import load_model
 
-    target = load_model(s["model"], dtype=s["dtype"]) if mesh is None else mesh.load_model(s["model"], dtype=s["dtype"])
+    target = load_model(s["model"], dtype=s["dtype"], mesh=mesh)
     spec = s["draft"] if draft_spec is None else draft_spec
     drafter = load_drafter(spec, target, dtype=s["draft_dtype"])
     if s.get("max_new_tokens_given", True):
         note_context_cap(s["max_new_tokens"], target, drafter)
     return target, drafter
-
-
-def unescape(text: str) -> str:
-    """``\\n``, ``\\t`` and ``\\\\`` typed on a command line as newline, tab and backslash (``--stop "\\n\\n"``)."""
-    return re.sub(r"\\(n|t|\\)", lambda m: {"n": "\n", "t": "\t", "\\": "\\"}[m.group(1)], text)
-
-
-def read_stdin_prompt() -> str:
-    """The prompt text piped on standard input (UTF-8)."""
-    data = sys.stdin.buffer.read()
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise UsageError(f"standard input is not valid UTF-8 (byte {e.start}); pipe UTF-8 text") from None
-
-
-def generate_prompts(args) -> list[dict]:
-    """``generate``'s prompts: PROMPT (``-`` = standard input), ``--prompt``, ``--prompts FILE``, or
-    piped standard input when none is given."""
-    if args.prompt_pos == "-" or (args.prompt_pos is None and not args.prompt and not args.prompts
-                                  and not sys.stdin.isatty()):
-        text = read_stdin_prompt()
-        if not text.strip():
-            raise UsageError("no prompt given: standard input was empty; pass PROMPT, --prompt P, --prompts FILE "
-                             "or pipe the prompt text")
-        args.prompt_pos = text
-    return collect_prompts(args)
 
 
 def note_context_cap(max_new_tokens: int, target, drafter=None) -> None:
@@ -289,139 +259,3 @@ def note_context_cap(max_new_tokens: int, target, drafter=None) -> None:
         note(f"--max-new-tokens {max_new_tokens} is capped to {lim} − the prompt length: the context of "
              f"{target.name}{' and its drafter' if lim < target.config.max_position_embeddings else ''} "
              f"holds {lim} tokens")
-
-
-def cmd_generate(args) -> int:
-    from specjax.api import generate_text
-    from specjax.progress import Progress, phase
-
-    s = resolve(args)
-    prompts = generate_prompts(args)
-    gamma = parse_gamma(s["gamma"])
-    if args.logprobs is not None and args.logprobs < 0:
-        raise UsageError(f"--logprobs must be an integer >= 0 (top alternatives per token), got {args.logprobs}")
-    args.stop = [unescape(x) for x in args.stop or []]
-    if any(not x for x in args.stop):
-        raise UsageError("--stop needs a non-empty string")
-    mesh = None
-    if args.mesh:
-        from specjax import sharding
-
-        mesh = sharding.MeshSpec.parse(args.mesh)
-    progress = None if os.environ.get("SPECJAX_NO_PROGRESS") else Progress()
-    with phase(progress, f"loading {s['model'] or 'the default model (SmolLM2-135M-Instruct)'}"
-                         + (f" and drafter {s['draft']}" if s["draft"] not in (None, "none") else "")
-                         + f" ({s['dtype']})"):
-        target, drafter = load_target_and_drafter(s, mesh=mesh)
-    if gamma == "auto":
-        if drafter is None:
-            raise UsageError("--gamma auto needs a drafter (--draft)")
-        from specjax import analysis_cli
-
-        with phase(progress, "measuring α, c and v(γ) for --gamma auto"):
-            gamma = analysis_cli.recommend_gamma(target, drafter, [p["prompt"] for p in prompts], chat=bool(s["chat"]))
-        note(f"--gamma auto chose γ = {gamma}")
-    chat = s["chat"]
-    if chat is None:
-        chat = target.tokenizer is not None and bool(target.tokenizer.chat_template)
-    stream = not args.json and not args.no_stream and args.batch_size == 1
-    method = f"speculative, drafter {drafter.name}, γ = {gamma}" if drafter is not None else "autoregressive"
-    if progress is not None:
-        progress.note(f"generating ({method}; {'chat template' if chat else 'raw text, no chat template'}"
-                      f"{'' if s['chat'] is not None else ' (the default for this model; --chat/--no-chat to choose)'}"
-                      f"{'; streaming' if stream else ''})")
-
-    def on_text(i, piece):
-        sys.stdout.write(piece)
-        sys.stdout.flush()
-
-    def on_done(i, o):  # each prompt's result as soon as its batch is done
-        p = prompts[i]
-        if args.json:
-            rec = {"question_id": p["question_id"], "text": o["text"], "tokens": o["tokens"], "stats": o["stats"]}
-            if "logprobs" in o:
-                rec["logprobs"] = o["logprobs"]
-            print(json.dumps(rec), flush=True)
-            return
-        print("" if stream else o["text"], flush=True)  # a streamed text gets its final newline
-        for r in o.get("logprobs", []):
-            alts = "  ".join(f"{a['token']!r} {a['logprob']:.3f}" for a in r["top_logprobs"])
-            print(f"{r['token']!r}\t{r['logprob']:.4f}" + (f"\t{alts}" if alts else ""), flush=True)
-        st = o["stats"]
-        extra = ""
-        if drafter is not None:
-            extra = f", {st['mean_accepted_tokens']:.2f} tokens/target call, acceptance {st['acceptance_rate']:.2f}"
-        print(f"[{st['new_tokens']} tokens, {st['tokens_per_s']:.1f} tokens/s{extra}, "
-              f"finish: {st['finish_reason']}]", file=sys.stderr, flush=True)
-
-    generate_text(
-        target, [p["prompt"] for p in prompts], drafter=drafter, gamma=gamma,
-        max_new_tokens=s["max_new_tokens"], temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"],
-        seed=args.seed, chat=chat, batch_size=args.batch_size, ignore_eos=args.ignore_eos,
-        stop=args.stop, logprobs=args.logprobs, on_text=on_text if stream else None, on_done=on_done,
-        progress=progress, parse_special=s["parse_special"],
-    )
-    return 0
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="specjax", description="Exact speculative decoding in JAX.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate text (autoregressive or speculative)")
-    g.add_argument("prompt_pos", nargs="?", metavar="PROMPT",
-                   help="prompt text; '-' (or no prompt with piped input) reads it from standard input")
-    g.add_argument("--prompt", action="append", help="prompt text (repeatable)")
-    g.add_argument("--prompts", metavar="FILE", help="JSONL: 'prompt' or Spec-Bench 'turns' per line")
-    add_model_args(g)
-    g.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout (printed at the end)")
-    g.add_argument("--no-stream", action="store_true",
-                   help="print each text at the end instead of streaming it as it is generated")
-    g.add_argument("--stop", action="append", metavar="STR",
-                   help="stop when the text contains STR (cut before it; repeatable; \\n and \\t are newline and "
-                        "tab); finish_reason 'stop'")
-    g.add_argument("--logprobs", type=int, default=None, metavar="N",
-                   help="log-probability of every emitted token and its top-N alternatives (JSON field 'logprobs')")
-    g.set_defaults(func=cmd_generate)
-    for mod in SUBCOMMAND_MODULES:
-        try:
-            m = importlib.import_module(mod)
-        except ModuleNotFoundError as e:
-            if e.name == mod:
-                continue
-            raise
-        if hasattr(m, "register_cli"):
-            m.register_cli(sub)
-    return parser
-
-
-def main(argv=None) -> int:
-    """Run the command line; a user error is one line ``specjax: error: …`` and exit status 2
-    (``SPECJAX_DEBUG=1`` re-raises it with its traceback)."""
-    parser = build_parser()
-    try:
-        args, extra = parser.parse_known_args(argv)
-        if extra:
-            hint = ""
-            if args.command == "generate" and not any(x.startswith("-") for x in extra):
-                hint = '; a prompt of several words needs quotes: specjax generate "Write a haiku"'
-            parser.exit(2, f"specjax: error: unrecognized arguments: {' '.join(extra)}{hint} "
-                           f"(see `specjax {args.command} --help`)\n")
-    except SystemExit as e:
-        return e.code if isinstance(e.code, int) else 2
-    try:
-        if not os.environ.get("SPECJAX_NO_CACHE"):
-            enable_compilation_cache()
-        return args.func(args) or 0
-    except _user_errors() as e:
-        if os.environ.get("SPECJAX_DEBUG"):
-            raise
-        msg = " ".join(describe_error(e).split())  # one line, whatever the raiser wrote
-        print(f"specjax: error: {msg}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("specjax: interrupted", file=sys.stderr)
-        return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,5 +1,5 @@
 """Measuring the theory's inputs on real models and prompts (the other half of
-:mod:`specjax.analysis`): the acceptance rate α, the cost ratios c and v(γ), and the
+:mod:`specjax.eval.theory`): the acceptance rate α, the cost ratios c and v(γ), and the
 speculative run itself.
 
 * :func:`measure_alpha` — α as ``Σ_x min(p, q)`` (Leviathan et al. 2023, Definition 3.1,
@@ -31,12 +31,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import analysis
-from specjax.decode import BUFFER_BUCKET, Decoder, _bucket, prompt_bucket, seed_key
-from specjax.drafters.base import DraftContext
+from specjax.eval import theory as analysis
+from specjax.runtime.decoder import BUFFER_BUCKET, Decoder, _bucket, prompt_bucket, seed_key
+from specjax.core.drafting import DraftContext
 from specjax.drafters.model import ModelDrafter, fit_vocab
 from specjax.models import llama
-from specjax.sampling import SamplingParams
+from specjax.core.sampling import SamplingParams
 
 __all__ = [
     "prompt_records",
@@ -704,3 +704,16 @@ def recommend(target, drafter, prompts, *, gamma_max: int = 8, chat: bool = Fals
     rep = analyze_pair(target, drafter, recs, gamma_max=gamma_max, max_new_tokens=max_new_tokens,
                        timing_repeats=kw.pop("timing_repeats", 3), quick_costs=True, measure_run=False, **kw)
     return int(rep["recommended_gamma"]), rep
+
+
+def recommend_gamma(target, drafter, prompt_texts: Sequence[str], chat: bool = False, gamma_max: int = 8) -> int:
+    """γ with the largest predicted speedup for this pair, measured quickly (used by
+    ``specjax generate --gamma auto``): α by teacher forcing over ≤ 2 prompts × 16 greedy
+    tokens, c and v timed at γ ∈ {1, 2, 4, 8, γ_max} (3 timings each, linear in between).
+    Returns an int in [1, gamma_max]; 1 when no γ is predicted to pay."""
+    if drafter is None:
+        raise ValueError("recommend_gamma needs a drafter")
+    if int(gamma_max) < 1:
+        raise ValueError(f"gamma_max must be >= 1, got {gamma_max}")
+    g, _ = recommend(target, drafter, list(prompt_texts), gamma_max=int(gamma_max), chat=chat)
+    return g

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from specjax.config import CheckpointError, ModelConfig, UnsupportedModelError
+from specjax.models.config import CheckpointError, ModelConfig, UnsupportedModelError
 
 _MISSING = object()
 

@@ -8,7 +8,7 @@ Two modes:
 * models — ``specjax analyze --model M --draft D --prompts FILE``: measured α (overall
   and per category), c(γ) and v(γ) for γ = 1..G, the table with both cost models, the
   recommended γ, and the real speculative run at that γ: measured vs predicted speedup
-  and E(N) next to the measured mean accepted tokens (see :mod:`specjax.measure`).
+  and E(N) next to the measured mean accepted tokens (see :mod:`specjax.eval.measure`).
 
 Markdown tables for people; ``--json`` for machines; ``--plot out.png`` draws predicted
 speedup against γ with the measured points.
@@ -19,24 +19,24 @@ from __future__ import annotations
 import json
 import math
 import sys
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
-from specjax import analysis
+from specjax.eval import theory as analysis
 
 NUMBERS_GAMMA_MAX = 16
 MODEL_GAMMA_MAX = 8
 
 
 def _usage(msg: str) -> Exception:
-    from specjax.cli import UsageError
+    from specjax.cli.common import UsageError
 
     return UsageError(msg)
 
 
 def register_cli(subparsers) -> None:
-    from specjax.cli import add_model_args
+    from specjax.cli.common import add_model_args
 
     p = subparsers.add_parser(
         "analyze",
@@ -176,7 +176,7 @@ def render_numbers(rep: dict) -> str:
 def select_prompts(prompts: list[dict], categories: str | None, limit: int | None) -> list[dict]:
     """Keep ``categories`` (comma list) and at most ``limit`` prompts per category, file order
     (the same selection as ``specjax bench``)."""
-    from specjax.bench import select_prompts as bench_select
+    from specjax.eval.bench import select_prompts as bench_select
 
     return bench_select(prompts, categories, limit)
 
@@ -292,7 +292,7 @@ def _jsonable(x):
 def cmd_analyze(args) -> int:
     numbers = args.alpha is not None or args.c is not None or args.v is not None
     if args.plot:  # fail now, not after the measurements
-        from specjax.bench import check_writable
+        from specjax.eval.bench import check_writable
 
         check_writable(args.plot, "--plot")
     if numbers:
@@ -316,8 +316,8 @@ def cmd_analyze(args) -> int:
 
 
 def run_models(args) -> dict:
-    from specjax.cli import collect_prompts, load_target_and_drafter, resolve
-    from specjax import measure
+    from specjax.cli.common import collect_prompts, load_target_and_drafter, resolve
+    from specjax.eval import measure
 
     s = resolve(args, need_draft="analyze with models needs one drafter: --draft ngram[:N] | PATH_OR_ID "
                                   "(or give numbers only: --alpha A --c C)")
@@ -328,7 +328,7 @@ def run_models(args) -> dict:
         raise _usage("--repeats and --timing-repeats must be >= 1")
     gamma = None
     if s["gamma"] not in (None, "auto"):
-        from specjax.cli import parse_gamma
+        from specjax.cli.common import parse_gamma
 
         gamma = parse_gamma(s["gamma"])
     prompts = select_prompts(collect_prompts(args), args.categories, args.limit)
@@ -344,18 +344,3 @@ def run_models(args) -> dict:
     rep["command_settings"] = {"model": s["model"] or "default", "draft": s["draft"],
                                "categories": args.categories, "limit": args.limit}
     return rep
-
-
-def recommend_gamma(target, drafter, prompt_texts: Sequence[str], chat: bool = False, gamma_max: int = 8) -> int:
-    """γ with the largest predicted speedup for this pair, measured quickly (used by
-    ``specjax generate --gamma auto``): α by teacher forcing over ≤ 2 prompts × 16 greedy
-    tokens, c and v timed at γ ∈ {1, 2, 4, 8, γ_max} (3 timings each, linear in between).
-    Returns an int in [1, gamma_max]; 1 when no γ is predicted to pay."""
-    from specjax import measure
-
-    if drafter is None:
-        raise ValueError("recommend_gamma needs a drafter")
-    if int(gamma_max) < 1:
-        raise ValueError(f"gamma_max must be >= 1, got {gamma_max}")
-    g, _ = measure.recommend(target, drafter, list(prompt_texts), gamma_max=int(gamma_max), chat=chat)
-    return g

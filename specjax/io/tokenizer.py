@@ -17,7 +17,7 @@ from typing import Sequence
 
 from tokenizers import AddedToken, Regex, Tokenizer as _HFTokenizer, decoders, models, normalizers, pre_tokenizers
 
-from specjax.config import CheckpointError
+from specjax.models.config import CheckpointError
 
 # Split regexes of the reference ``tokenizer.json`` files (the same rules llama.cpp's
 # llama-vocab.cpp applies for these pre-tokenizer types).
@@ -284,7 +284,7 @@ class Tokenizer:
           CheckpointError: other tokenizer kinds (e.g. sentencepiece ``'llama'``), or a
             ``tokenizer.ggml.pre`` value specjax does not support (named in the message).
         """
-        from specjax.loading.gguf_loader import field
+        from specjax.io.gguf import field
 
         kind = field(reader, "tokenizer.ggml.model")
         if kind != "gpt2":

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.decode import Decoder
+from specjax.runtime.decoder import Decoder
 from specjax.models import llama
 
 
@@ -55,7 +55,7 @@ def accuracy_report(reference, others: dict, prompts: Sequence[Sequence[int]], m
     """Compare models in other formats with the float32 ``reference``.
 
     Args:
-      reference: the float32 :class:`~specjax.loading.Model`.
+      reference: the float32 :class:`~specjax.io.loading.Model`.
       others: ``{format name: Model}``.
       prompts: token-id prompts.
       max_new_tokens: greedy continuation length (EOS ignored).

@@ -52,7 +52,7 @@ AXES = (DATA, MODEL)
 
 __all__ = [
     "DATA", "MODEL", "MeshSpec", "AXIS_RULES", "PARAM_LOGICAL_AXES", "param_spec", "param_shardings",
-    "param_placer", "Placer", "shard_params", "shard_model", "load_model", "cache_spec", "cache_sharding",
+    "param_placer", "Placer", "shard_params", "shard_model", "cache_spec", "cache_sharding",
     "cache_shardings", "batch_sharding", "replication_notes", "warn_replicated", "mesh_of", "initialize",
 ]
 
@@ -159,12 +159,6 @@ class MeshSpec:
         kw = {} if devices is None else {"devices": list(devices)}
         return jax.make_mesh((self.data, self.model), AXES, axis_types=auto, **kw)
 
-    def load_model(self, path_or_id=None, dtype="float32"):
-        """:func:`specjax.loading.load_model` with every tensor placed straight into its sharding
-        on this mesh (no full copy on one device first); warns once on stderr about dimensions
-        that do not divide ``model`` and are therefore replicated."""
-        return load_model(path_or_id, self.make(), dtype=dtype)
-
 
 def _axis_size(mesh: Mesh, axis: str) -> int:
     return int(dict(mesh.shape).get(axis, 1))
@@ -223,13 +217,12 @@ def param_spec(path: tuple, shape: tuple, cfg, mesh: Mesh) -> P:
 
 def param_shardings(cfg, mesh: Mesh, dtype="float32") -> dict[tuple, NamedSharding]:
     """``{param path: NamedSharding}`` for every parameter of a model with config ``cfg``."""
-    from specjax.loading import _dtype, _flat
     from specjax.models import llama
     from flax import nnx
 
-    _, abstract = llama.abstract_model(cfg, _dtype(dtype))
+    _, abstract = llama.abstract_model(cfg, llama.weight_format(dtype))
     return {p: NamedSharding(mesh, param_spec(p, v.shape, cfg, mesh))
-            for p, v in _flat(nnx.to_pure_dict(abstract))}
+            for p, v in llama.flatten_params(nnx.to_pure_dict(abstract))}
 
 
 def cache_spec(cfg, mesh: Mesh, batch: int | None = None) -> P:
@@ -315,7 +308,7 @@ def put(x, sharding: NamedSharding, dtype=None) -> jax.Array:
 
 
 class Placer:
-    """A ``place(path, array)`` callback for :func:`specjax.loading.load_model` that puts each
+    """A ``place(path, array)`` callback for :func:`specjax.io.loading.load_model` that puts each
     tensor straight into its sharding. Bound to a config by the loader (``for_config``),
     since head-sharding depends on head counts, not only on shapes. The loader has already
     converted the tensor to its weight format; the placer only places it."""
@@ -338,17 +331,8 @@ def param_placer(mesh: Mesh, cfg=None, dtype=None) -> Placer:
     return Placer(mesh, cfg, dtype)
 
 
-def load_model(path_or_id, mesh, dtype="float32"):
-    """Load a model with its parameters sharded on ``mesh`` (see :class:`MeshSpec`)."""
-    from specjax import loading
-
-    mesh = as_mesh(mesh)
-    model = loading.load_model(path_or_id, dtype=dtype, place=Placer(mesh))
-    warn_replicated(model.config, mesh, name=f"{model.name or 'target'} on mesh {_mesh_str(mesh)}")
-    return model
-
-
-def _mesh_str(mesh: Mesh) -> str:
+def mesh_str(mesh: Mesh) -> str:
+    """``data=D,model=M`` of a mesh."""
     return f"data={_axis_size(mesh, DATA)},model={_axis_size(mesh, MODEL)}"
 
 
@@ -356,12 +340,12 @@ def shard_params(params, cfg, mesh: Mesh):
     """A copy of the ``nnx.State`` ``params`` with every leaf in its sharding on ``mesh``."""
     from flax import nnx
 
-    from specjax.loading import _flat, _unflat
+    from specjax.models.llama import flatten_params, unflatten_params
 
     pure = nnx.to_pure_dict(params)
-    placed = {p: put(v, NamedSharding(mesh, param_spec(p, v.shape, cfg, mesh))) for p, v in _flat(pure)}
+    placed = {p: put(v, NamedSharding(mesh, param_spec(p, v.shape, cfg, mesh))) for p, v in flatten_params(pure)}
     out = jax.tree_util.tree_map(lambda x: x, params)
-    nnx.replace_by_pure_dict(out, _unflat(placed))
+    nnx.replace_by_pure_dict(out, unflatten_params(placed))
     return out
 
 
@@ -370,9 +354,9 @@ def _replicate(tree, mesh: Mesh):
 
 
 def shard_model(model, mesh: Mesh, warn: bool = True):
-    """``model`` (a :class:`~specjax.loading.Model`) with its parameters sharded on ``mesh``."""
+    """``model`` (a :class:`~specjax.io.loading.Model`) with its parameters sharded on ``mesh``."""
     if warn:
-        warn_replicated(model.config, mesh, name=f"{model.name or 'model'} on mesh {_mesh_str(mesh)}")
+        warn_replicated(model.config, mesh, name=f"{model.name or 'model'} on mesh {mesh_str(mesh)}")
     return model.replace(params=shard_params(model.params, model.config, mesh))
 
 
@@ -382,10 +366,10 @@ def shard_drafter(drafter, mesh: Mesh):
     if drafter is None or getattr(drafter, "params", None) is None:
         return drafter
     cfg = getattr(drafter, "config", None)
-    from specjax.config import ModelConfig
+    from specjax.models.config import ModelConfig
 
     if isinstance(cfg, ModelConfig) and dataclasses.is_dataclass(drafter):
-        warn_replicated(cfg, mesh, name=f"drafter {getattr(drafter, 'name', '')} on mesh {_mesh_str(mesh)}")
+        warn_replicated(cfg, mesh, name=f"drafter {getattr(drafter, 'name', '')} on mesh {mesh_str(mesh)}")
         try:
             params = shard_params(drafter.params, cfg, mesh)
         except Exception:  # not a llama nnx.State: keep it whole on every device
@@ -401,7 +385,7 @@ def shard_drafter(drafter, mesh: Mesh):
 
 # ----------------------------------------------------------------------------- decode support
 def prepare_decoder(target, drafter, mesh):
-    """``(mesh, target, drafter)`` for :class:`specjax.decode.Decoder`: ``mesh`` may be
+    """``(mesh, target, drafter)`` for :class:`specjax.runtime.decoder.Decoder`: ``mesh`` may be
     ``None`` (then the target's own mesh is used, if its parameters are sharded on one)."""
     if mesh is None:
         mesh = mesh_of(target.params)
@@ -431,7 +415,7 @@ def _pad_rows(x, pad: int):
 
 
 def shard_start_args(args, mesh: Mesh):
-    """Pad the per-row start arguments of :func:`specjax.decode._start` to a multiple of the
+    """Pad the per-row start arguments of :func:`specjax.runtime.decoder._start` to a multiple of the
     ``data`` axis (extra rows copy row 0 with ``max_new = 0``: done from the start) and
     place them with rows on ``data``. Parameters are left as they are."""
     tparams, dparams, prompt, plens, max_new, eos, keys, sampling = args
@@ -449,7 +433,7 @@ def shard_start_args(args, mesh: Mesh):
 
 
 def state_shardings(prog, state, mesh: Mesh):
-    """Shardings for a :class:`specjax.decode.DecodeState` (arrays or shapes): per-row arrays on
+    """Shardings for a :class:`specjax.runtime.decoder.DecodeState` (arrays or shapes): per-row arrays on
     ``data``, the target cache by the target config, a draft model's cache by its own config,
     scalars replicated."""
     from specjax.models import llama
@@ -469,9 +453,9 @@ def state_shardings(prog, state, mesh: Mesh):
 
 
 def decode_jit(which: str, prog, args, mesh: Mesh):
-    """``jit`` of :func:`specjax.decode._start` / ``_run`` with output shardings on ``mesh``
+    """``jit`` of :func:`specjax.runtime.decoder._start` / ``_run`` with output shardings on ``mesh``
     (inputs are already placed; GSPMD partitions the rest)."""
-    from specjax import decode
+    from specjax.runtime import loop as decode
 
     if which == "start":
         shape = jax.eval_shape(lambda *a: decode._start(prog, *a), *args)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from importlib import resources
 
-from specjax.config import CheckpointError
+from specjax.models.config import CheckpointError
 
 DEFAULT_DRAFTER = "smollm2-135m-instruct-eagle"
 

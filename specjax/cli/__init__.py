@@ -1,0 +1,63 @@
+"""``specjax`` command line: one module per command (:mod:`~specjax.cli.generate`,
+:mod:`~specjax.cli.bench`, :mod:`~specjax.cli.analyze`, :mod:`~specjax.cli.distill`), shared
+argument handling in :mod:`~specjax.cli.common`. Nothing outside this package imports it.
+
+Errors in the user's input print one line ``specjax: error: …`` (what was wrong and
+how to fix it) and exit with status 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from specjax.cli import analyze, bench, distill, generate
+from specjax.cli.common import (  # noqa: F401  (the shared helpers, for scripts and tests)
+    UsageError, _Parser, _user_errors, add_model_args, collect_prompts, describe_error, enable_compilation_cache,
+    load_target_and_drafter, note, parse_gamma, resolve,
+)
+from specjax.cli.generate import unescape  # noqa: F401
+
+COMMANDS = (generate, bench, analyze, distill)
+
+
+def build_parser() -> _Parser:
+    """The ``specjax`` parser with every command's subparser."""
+    parser = _Parser(prog="specjax", description="Exact speculative decoding in JAX.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for command in COMMANDS:
+        command.register_cli(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    """Run the command line; a user error is one line ``specjax: error: …`` and exit status 2
+    (``SPECJAX_DEBUG=1`` re-raises it with its traceback)."""
+    parser = build_parser()
+    try:
+        args, extra = parser.parse_known_args(argv)
+        if extra:
+            hint = ""
+            if args.command == "generate" and not any(x.startswith("-") for x in extra):
+                hint = '; a prompt of several words needs quotes: specjax generate "Write a haiku"'
+            parser.exit(2, f"specjax: error: unrecognized arguments: {' '.join(extra)}{hint} "
+                           f"(see `specjax {args.command} --help`)\n")
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 2
+    try:
+        if not os.environ.get("SPECJAX_NO_CACHE"):
+            enable_compilation_cache()
+        return args.func(args) or 0
+    except _user_errors() as e:
+        if os.environ.get("SPECJAX_DEBUG"):
+            raise
+        msg = " ".join(describe_error(e).split())  # one line, whatever the raiser wrote
+        print(f"specjax: error: {msg}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("specjax: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
