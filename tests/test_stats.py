@@ -1,0 +1,19 @@
+"""RunStats: the one statistics type (merge, derived figures)."""
+
+from specjax.eval.stats import RunStats
+
+
+def test_merge_and_derived_figures():
+    a = RunStats.from_batch([{"new_tokens": 5, "target_calls": 2, "draft_calls": 2, "drafted_tokens": 4,
+                              "accepted_tokens": 3, "checked_tokens": 4, "accept_hist": [0, 1, 1]},
+                             {"new_tokens": 3, "target_calls": 3, "draft_calls": 3, "drafted_tokens": 0,
+                              "accepted_tokens": 0, "checked_tokens": 0, "accept_hist": [3]}], decode_s=2.0)
+    assert a.rows == 2 and a.new_tokens == 8 and a.accept_hist == (3, 1, 1) and a.decode_s == 2.0
+    assert a.mean_accepted_tokens == 8 / 5 and a.acceptance_rate == 3 / 4 and a.tokens_per_s == 4.0
+    b = RunStats.from_row({"new_tokens": 2, "target_calls": 1, "draft_calls": 1, "accepted_tokens": 1,
+                           "checked_tokens": 1, "drafted_tokens": 4, "accept_hist": [0, 1, 0, 0, 0]})
+    c = a + b
+    assert c.accept_hist == (3, 2, 1, 0, 0) and c.rows == 3 and sum([a, b]) == c
+    ar = RunStats.from_row({"new_tokens": 4, "target_calls": 4, "accept_hist": [4]})
+    assert ar.acceptance_rate is None and ar.mean_accepted_tokens == 1.0 and ar.tokens_per_s is None
+    assert RunStats().mean_accepted_tokens is None and c.summary()["accept_hist"] == [3, 2, 1, 0, 0]
