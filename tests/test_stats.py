@@ -17,3 +17,17 @@ def test_merge_and_derived_figures():
     ar = RunStats.from_row({"new_tokens": 4, "target_calls": 4, "accept_hist": [4]})
     assert ar.acceptance_rate is None and ar.mean_accepted_tokens == 1.0 and ar.tokens_per_s is None
     assert RunStats().mean_accepted_tokens is None and c.summary()["accept_hist"] == [3, 2, 1, 0, 0]
+
+
+def test_decode_settings_validate_and_derive():
+    import pytest
+
+    from specjax.runtime.settings import DecodeSettings
+
+    s = DecodeSettings(max_new_tokens=8, temperature=0.7, top_k=5, batch_size=2, ignore_eos=True, seed=2 ** 63)
+    assert [list(r) for r in s.batches(5)] == [[0, 1], [2, 3], [4]] and s.eos_ids() == []
+    assert s.sampling(3).temperature.shape == (3,) and hash(s) == hash(DecodeSettings(**vars(s)))
+    for bad in (dict(max_new_tokens=0), dict(temperature=-1), dict(temperature=float("nan")), dict(top_k=-1),
+                dict(top_p=0), dict(top_p=1.5), dict(seed=-1), dict(seed=2 ** 64), dict(batch_size=0)):
+        with pytest.raises(ValueError):
+            DecodeSettings(**bad)
