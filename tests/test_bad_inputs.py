@@ -175,6 +175,7 @@ EARLY = [
     (["analyze", "--alpha", "1.5", "--c", "0.1"], ["--alpha", "[0, 1]"]),
     (["analyze", "--alpha", "0.5", "--c", "-1"], ["--c", ">= 0"]),
     (["analyze", "--alpha", "0.5"], ["--alpha needs --c"]),
+    (["analyze", "--alpha", "0.5", "--c", "0.1", "--mesh", "data=1,model=1"], ["unrecognized arguments: --mesh"]),
     (["analyze", "--prompt", "hi"], ["needs one drafter", "--draft"]),
     (["analyze", "--prompt", "hi", "--gamma", "3"], ["needs one drafter"]),
     (["analyze", "--prompt", "hi", "--draft", "ngram", "--top-p", "5"], ["--top-p"]),

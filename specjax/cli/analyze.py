@@ -58,7 +58,7 @@ def register_cli(subparsers) -> None:
     p.add_argument("--limit", type=int, default=None, help="at most N prompts per category (file order)")
     p.add_argument("--repeats", type=int, default=1, help="timed decode runs per batch for the measured speedup (median)")
     p.add_argument("--timing-repeats", type=int, default=7, help="timed calls per kind for c and v (median)")
-    add_model_args(p)
+    add_model_args(p, mesh=False)  # measures on one device
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.add_argument("--plot", metavar="PNG", default=None, help="write predicted speedup vs γ (with measured points)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr (shown only on a terminal)")

@@ -85,7 +85,7 @@ def enable_compilation_cache(path: str | None = None) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def add_model_args(p: argparse.ArgumentParser, multi_draft: bool = False) -> None:
+def add_model_args(p: argparse.ArgumentParser, multi_draft: bool = False, mesh: bool = True) -> None:
     """Flags shared by generate / bench / analyze."""
     p.add_argument("--config", help="pair config: a TOML path or the name of a shipped config in configs/")
     p.add_argument("--model", default=None, help="target: .gguf file, HF model dir or hub id (default: embedded SmolLM2-135M-Instruct)")
@@ -110,7 +110,8 @@ def add_model_args(p: argparse.ArgumentParser, multi_draft: bool = False) -> Non
                         "token (with --chat only the template's own special tokens do). Default: parsed")
     p.add_argument("--batch-size", type=int, default=1, help="prompts decoded together")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS (fixed-length benchmarks)")
-    p.add_argument("--mesh", default=None, help="device mesh, e.g. data=2,model=4 (default: one device)")
+    if mesh:
+        p.add_argument("--mesh", default=None, help="device mesh, e.g. data=2,model=4 (default: one device)")
 
 
 def resolve(args, default_draft=None, need_draft: str | None = None) -> dict:

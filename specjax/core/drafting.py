@@ -75,8 +75,34 @@ class Drafter(Protocol):
     params: Any
 
     def init_state(self, params, context: DraftContext, max_len: int) -> Any:
-        """Drafter state after the prompt (e.g. prefill of its KV cache, ``max_len`` slots)."""
+        """The drafter's state after the prompt (a pytree the loop carries), traced inside the
+        jitted prefill.
+
+        Args:
+          params: the drafter's weight pytree (``self.params`` as passed to the loop) or ``None``.
+          context: the prompt: ``tokens [B, L]`` int32, ``lengths [B]`` int32 prompt lengths,
+            ``sampling``, and ``target_hidden [B, P, D]`` float32 (the target's final hidden
+            states of the prompt, for feature-level drafters).
+          max_len: L, the buffer slots a KV cache of the drafter must hold (static int).
+
+        Returns:
+          any pytree of arrays with shapes fixed by (B, L) — e.g. a KV cache of the prompt — or
+          ``()`` for a stateless drafter.
+        """
 
     def propose(self, params, state, context: DraftContext, keys, gamma: int, vocab_size: int) -> Proposal:
-        """Propose ``gamma`` tokens per row. ``keys``: ``[B, γ]`` PRNG keys (one per row and
-        draft position); ``vocab_size``: the target's vocabulary size V."""
+        """Propose γ draft tokens per row, traced inside the jitted loop (one call per round).
+
+        Args:
+          params, state: as from :meth:`init_state` (and the previous round's ``Proposal.state``).
+          context: the committed tokens ``[B, L]``, ``lengths [B]``, ``sampling``, the target's
+            last-call hidden states ``[B, γ+1, D]`` float32 and ``last_accepted [B]`` int32.
+          keys: ``[B, γ, 2]`` uint32 PRNG keys, one per row and draft position (a sampling
+            drafter draws x_i with ``keys[:, i]``).
+          gamma: γ (static int). vocab_size: the target's vocabulary size V (static int).
+
+        Returns:
+          a :class:`Proposal`: ``tokens [B, γ]`` int32, ``probs [B, γ, V]`` float32 (q_i, exactly
+          the distribution x_i was drawn from, made with ``context.sampling.process``),
+          ``num_valid [B]`` int32 in [0, γ], and the new state.
+        """

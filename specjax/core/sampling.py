@@ -1,7 +1,7 @@
 """Logits → processed probabilities, and sampling from them.
 
 The SAME :func:`process_logits` makes the target's ``p`` and the drafter's ``q``
-(DESIGN.md, "q is what was sampled from"), so speculative sampling reproduces
+(docs/design.md, "q is what was sampled from"), so speculative sampling reproduces
 exactly the distribution this module defines.
 
 Sampling settings (temperature, top-k, top-p) are *traced* per-row arrays, not
