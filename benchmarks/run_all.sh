@@ -36,13 +36,13 @@ step() {  # step NAME COMMAND...: run COMMAND unless $OUT/NAME.json exists; tabl
 DRAFT_DIR=${DRAFT_DIR:-$OUT/drafters/first2}
 if [[ ! -e "$DRAFT_DIR/model.safetensors" ]]; then
   python -c "
-from specjax.loading import load_model, save_model, truncate_model
+from specjax.io.loading import load_model, save_model, truncate_model
 save_model(truncate_model(load_model(), 2, name='first2'), '$DRAFT_DIR')
 print('saved $DRAFT_DIR')"
 fi
 DRAFTS=(ngram "$DRAFT_DIR")
 # the trained drafter, when one is shipped
-if python -c "from specjax.shipped import shipped_drafter_path; shipped_drafter_path()" 2>/dev/null; then
+if python -c "from specjax.io.shipped import shipped_drafter_path; shipped_drafter_path()" 2>/dev/null; then
   DRAFTS+=(default)
 fi
 

@@ -115,3 +115,11 @@ def test_the_check_can_fail(bad):
     """Negative control: an upward import is reported."""
     (mod, deps), = bad.items()
     assert any(RANK[layer(d)] > RANK[layer(mod)] for d in deps)
+
+
+def test_design_doc_lists_every_module():
+    """docs/design.md's layer picture names every module of the package (so it cannot drift)."""
+    doc = (ROOT.parent / "docs" / "design.md").read_text(encoding="utf-8")
+    missing = [m for m in graph() if m != "specjax" and not m.endswith("__main__")
+               and f"{m.split('.', 1)[1].replace('.', '/')}" not in doc]
+    assert not missing, f"docs/design.md does not name: {missing}"
