@@ -301,8 +301,11 @@ def test_real_drafter_equal_to_target_eos_in_block(real):
 def test_cli_streams_text_equal_to_json_and_reads_stdin(default_model, capsys, monkeypatch):
     monkeypatch.setenv("SPECJAX_NO_CACHE", "1")
     args = ["--max-new-tokens", "12", "--draft", "ngram", "--gamma", "2"]
-    assert cli.main(["generate", "Name three colors.", "--json", *args]) == 0
+    assert cli.main(["generate", "Name three colors.", "--json", *args]) == 0  # the real load, once
     rec = json.loads(capsys.readouterr().out)
+    from specjax.io import loading  # later runs reuse the session's model (the load is not under test)
+
+    monkeypatch.setattr(loading, "load_model", lambda path=None, dtype="float32", mesh=None, **kw: default_model)
     assert cli.main(["generate", "Name three colors.", *args]) == 0
     out, err = capsys.readouterr()
     assert out == rec["text"] + "\n"
