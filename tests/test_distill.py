@@ -206,7 +206,8 @@ def test_sampled_continuations_are_seeded_and_eval_stays_greedy(tiny_setup, tmp_
     one-sample data set), samples 1..2 are sampled (they differ from greedy on a target
     whose logits are not peaked), the same seed gives the same tokens, and the questions
     in ``greedy_only`` (the eval split) get only their greedy continuation."""
-    from specjax.train.distill import DistillError, collect_data, collect_parts, generate_data
+    from specjax.train.common import DistillError
+    from specjax.train.data import collect_data, collect_parts, generate_data
     from specjax.io.loading import load_model
 
     target = load_model(str(tiny_setup / "target"), dtype="float32")
@@ -297,7 +298,7 @@ def test_self_prompts_are_seeded_and_kept(tmp_path, default_model):
     """Magpie-style prompts: written once (a second call reads the file, nothing is
     regenerated), the same for the same seed, named self-<seed>-<i>."""
     from conftest import tiny_config
-    from specjax.train.distill import self_prompts
+    from specjax.train.data import self_prompts
     from specjax.io.loading import Model
     from specjax.models import llama
 

@@ -92,9 +92,9 @@ def test_ngram_matches_python_lookup(min_n, max_n, gamma):
 @pytest.mark.parametrize("max_n", [1, 3])
 def test_copy_candidate_matches_training_lookup(max_n):
     """The decode loop's copy candidate (``lookup_candidate``, JAX, per prefix) equals the
-    one training uses (``distill.lookup_candidates``, NumPy, whole sequences) and the
+    one training uses (``specjax.train.batches.lookup_candidates``, NumPy, whole sequences) and the
     brute-force prompt lookup, including the matched size n."""
-    from specjax.train.distill import lookup_candidates
+    from specjax.train.batches import lookup_candidates
     from specjax.drafters.ngram import lookup_candidate
 
     rng = np.random.default_rng(max_n)

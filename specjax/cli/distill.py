@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from specjax.train.distill import DistillError, bench, run
+from specjax.train.benchmark import bench
+from specjax.train.common import DistillError
+from specjax.train.distill import run
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -64,18 +64,21 @@ def _bucket(n: int, size: int) -> int:
     return max(size, -(-n // size) * size)
 
 
-def decode_buffer_len(prompt_len: int, max_new_tokens: int, gamma: int) -> int:
+def decode_buffer_len(prompt_len: int, max_new_tokens: int, gamma: int, min_prompt_bucket: int = PROMPT_BUCKET) -> int:
     """Token/KV buffer slots of a program for prompts of up to ``prompt_len`` tokens: the
-    prompt bucket + ``max_new_tokens`` + γ + 1 spare slots, rounded up to ``BUFFER_BUCKET``."""
-    return _bucket(prompt_bucket(int(prompt_len)) + int(max_new_tokens) + int(gamma) + 1, BUFFER_BUCKET)
+    prompt bucket (:func:`prompt_bucket` with ``min_prompt_bucket``) + ``max_new_tokens`` + γ
+    + 1 spare slots, rounded up to ``BUFFER_BUCKET``."""
+    return _bucket(prompt_bucket(int(prompt_len), min_prompt_bucket) + int(max_new_tokens) + int(gamma) + 1,
+                   BUFFER_BUCKET)
 
 
-def prompt_bucket(n: int) -> int:
+def prompt_bucket(n: int, minimum: int = PROMPT_BUCKET) -> int:
     """Padded prompt length for a prompt of ``n`` tokens: the next power of two, at least
-    ``PROMPT_BUCKET``. Each bucket compiles its own prefill and decode programs, so
-    geometric buckets keep the number of programs logarithmic in the prompt lengths
-    seen (at most 2× prefill padding; the decode loop never attends to the padding)."""
-    return max(PROMPT_BUCKET, 1 << max(0, int(n) - 1).bit_length())
+    ``minimum`` (default ``PROMPT_BUCKET``). Each bucket compiles its own prefill and decode
+    programs, so geometric buckets keep the number of programs logarithmic in the prompt
+    lengths seen (at most 2× prefill padding; the decode loop never attends to the padding);
+    a larger ``minimum`` means fewer buckets (fewer compiles) for more padding."""
+    return max(int(minimum), 1 << max(0, int(n) - 1).bit_length())
 
 
 SEED_LIMIT = 2 ** 64
@@ -146,12 +149,25 @@ class Decoder:
 
     ``progress``: a :class:`specjax.runtime.progress.Progress` that gets one stderr line per compile
     phase (the command line passes one), or ``None`` (silent).
+
+    ``prompt_bucket``: the smallest padded prompt length in tokens (an integer ≥ 1; default
+    ``PROMPT_BUCKET``, 32). Prompts pad to the next power of two, at least this
+    (:func:`prompt_bucket`); a larger value compiles fewer prompt shapes for more padding
+    (e.g. 512 when prompts of many lengths are decoded).
+
+    Raises:
+      ValueError: ``gamma`` not an integer ≥ 1 with a drafter, or ``prompt_bucket`` not an
+        integer ≥ 1.
     """
 
-    def __init__(self, target, drafter=None, gamma: int = 4, mesh=None, progress=None):
+    def __init__(self, target, drafter=None, gamma: int = 4, mesh=None, progress=None,
+                 prompt_bucket: int = PROMPT_BUCKET):
         self.progress = progress
         if drafter is not None and (int(gamma) != gamma or gamma < 1):
             raise ValueError(f"gamma (num_draft_tokens) must be an integer >= 1, got {gamma!r}")
+        if isinstance(prompt_bucket, bool) or int(prompt_bucket) != prompt_bucket or prompt_bucket < 1:
+            raise ValueError(f"prompt_bucket must be an integer >= 1, got {prompt_bucket!r}")
+        self.prompt_bucket = int(prompt_bucket)
         from specjax.runtime import sharding
 
         self.mesh, target, drafter = sharding.prepare_decoder(target, drafter, mesh)
@@ -205,8 +221,8 @@ class Decoder:
         plens = np.array([len(p) for p in prompts], np.int32)
         mn = np.broadcast_to(np.asarray(max_new_tokens, np.int64), (b,))
         mn = np.minimum(mn, ctx_limit - plens).astype(np.int32)  # the context limit, per row
-        p_bucket = prompt_bucket(int(plens.max()))
-        buf = decode_buffer_len(int(plens.max()), int(mn.max()), self.gamma)
+        p_bucket = prompt_bucket(int(plens.max()), self.prompt_bucket)
+        buf = decode_buffer_len(int(plens.max()), int(mn.max()), self.gamma, self.prompt_bucket)
         prompt = np.zeros((b, p_bucket), np.int32)
         for i, p in enumerate(prompts):
             prompt[i, : len(p)] = p

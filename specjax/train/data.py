@@ -1,0 +1,398 @@
+"""Distillation data: the target's continuations of the training prompts with its hidden
+states, top-k probabilities and argmax at every position (written in parts on disk),
+self-written prompts (Magpie), reading and merging data sets, and the sub-vocabulary."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import time
+import zlib
+from collections import Counter, defaultdict
+
+import numpy as np
+
+from specjax.train.common import DistillError
+from specjax.train.records import encode_record, read_records
+
+
+def _topk_stats(logits, topk: int):
+    """``(top-k probabilities [..., topk] float32, their ids [..., topk] int32, argmax [...] int32)``
+    of ``logits [..., vocab]`` at temperature 1."""
+    import jax
+    import jax.numpy as jnp
+
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    tv, ti = jax.lax.top_k(logp, topk)
+    return jnp.exp(tv), ti.astype(jnp.int32), jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+def _gen_fn(target, prompt_len: int, max_new: int, topk: int):
+    """Jitted generation that also returns what training needs, so no separate teacher
+    pass is run: per position the target's final hidden state, top-k probabilities and
+    argmax (prefill positions and generated positions).
+
+    ``f(params, prompt [b, p] int32, lengths [b] int32, temps [b] float32, seeds [b] int32)``:
+    a row with ``temps == 0`` continues greedily; otherwise it samples from
+    softmax(logits / temp) with keys folded from its seed and the step (reproducible).
+    The stored top-k / argmax are always the target's temperature-1 distribution."""
+    import jax
+    import jax.numpy as jnp
+
+    from specjax.models import llama
+
+    cfg, gd = target.config, target.graphdef
+
+    stats = functools.partial(_topk_stats, topk=topk)
+
+    def choose(logits, greedy, temps, keys, i):  # logits [b, vocab]
+        ks = jax.vmap(jax.random.fold_in, (0, None))(keys, i)
+        scaled = logits / jnp.where(temps > 0, temps, 1.0)[:, None]
+        sampled = jax.vmap(jax.random.categorical)(ks, scaled).astype(jnp.int32)
+        return jnp.where(temps > 0, sampled, greedy)
+
+    @jax.jit
+    def f(params, prompt, lengths, temps, seeds):
+        b, p = prompt.shape
+        keys = jax.vmap(jax.random.PRNGKey)(seeds)
+        cache = llama.KVCache.create(cfg, b, p + max_new + 1, jnp.float32)
+        pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+        out = llama.apply(gd, params, prompt, pos, cache, cfg, return_hidden=True)
+        pp, pi, pa = stats(out.logits)
+        last = (lengths - 1)[:, None]
+        first = choose(jnp.take_along_axis(out.logits, last[:, :, None], axis=1)[:, 0],
+                       jnp.take_along_axis(pa, last, axis=1)[:, 0], temps, keys, max_new)
+
+        def step(carry, i):
+            tok, cache = carry
+            o = llama.apply(gd, params, tok[:, None], (lengths + i)[:, None], cache, cfg, return_hidden=True)
+            sp, si, sa = stats(o.logits[:, 0])
+            nxt = choose(o.logits[:, 0], sa, temps, keys, i)
+            return (nxt, o.cache), (tok, o.hidden[:, 0], sp, si, sa)
+
+        _, (toks, gh, gp, gi, ga) = jax.lax.scan(step, (first, out.cache), jnp.arange(max_new, dtype=jnp.int32))
+        sw = lambda x: jnp.swapaxes(x, 0, 1)
+        return out.hidden, pp, pi, pa, sw(toks), sw(gh), sw(gp), sw(gi), sw(ga)
+
+    return f
+
+
+def _onpolicy_fn(target, dcfg, prompt_len: int, max_new: int, topk: int):
+    """Like :func:`_gen_fn`, but the continuation is the DRAFTER's (greedy first drafts,
+    each made from the target's true feature of the previous position) and the target
+    scores every position (hidden state, top-k, argmax): on-policy data (DistillSpec)."""
+    import jax
+    import jax.numpy as jnp
+
+    from specjax.drafters import eagle
+    from specjax.models import llama
+
+    cfg, gd = target.config, target.graphdef
+
+    stats = functools.partial(_topk_stats, topk=topk)
+
+    @jax.jit
+    def f(params, dparams, prompt, lengths):
+        b, p = prompt.shape
+        n = p + max_new + 1
+        cache = llama.KVCache.create(cfg, b, n, jnp.float32)
+        pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+        out = llama.apply(gd, params, prompt, pos, cache, cfg, return_hidden=True)
+        pp, pi, pa = stats(out.logits)
+        dcache = eagle.new_cache(dcfg, b, n)
+        feats = jnp.concatenate([jnp.zeros_like(out.hidden[:, :1]), out.hidden[:, :-1]], axis=1)
+        fd, dcache = eagle.forward(dcfg, dparams, feats, prompt, pos, dcache)
+        sub = dparams["frozen"]["sub_ids"]
+        last = (lengths - 1)[:, None, None]
+        first = sub[jnp.argmax(eagle.sub_logits(dparams, jnp.take_along_axis(fd, last, axis=1)[:, 0]), axis=-1)]
+        h_prev = jnp.take_along_axis(out.hidden, last, axis=1)[:, 0]
+
+        def step(carry, i):
+            tok, h_prev, cache, dcache = carry  # tok = x_t at t = length + i; h_prev = true h_{t-1}
+            p_ = (lengths + i)[:, None]
+            o = llama.apply(gd, params, tok[:, None], p_, cache, cfg, return_hidden=True)
+            sp, si, sa = stats(o.logits[:, 0])
+            fd, dcache = eagle.forward(dcfg, dparams, h_prev[:, None], tok[:, None], p_, dcache)
+            nxt = sub[jnp.argmax(eagle.sub_logits(dparams, fd[:, 0]), axis=-1)]
+            return (nxt, o.hidden[:, 0], o.cache, dcache), (tok, o.hidden[:, 0], sp, si, sa)
+
+        init = (first, h_prev, out.cache, dcache)
+        _, (toks, gh, gp, gi, ga) = jax.lax.scan(step, init, jnp.arange(max_new, dtype=jnp.int32))
+        sw = lambda x: jnp.swapaxes(x, 0, 1)
+        return out.hidden, pp, pi, pa, sw(toks), sw(gh), sw(gp), sw(gi), sw(ga)
+
+    return f
+
+
+def generate_data(target, records, *, max_new_tokens, batch, chat, max_prompt_tokens, topk, parts_dir,
+                  first_ids=(), drafter=None, log=print, samples=1, temperature=0.8, seed=0, greedy_only=()):
+    """Greedy target continuations of the (chat-templated) prompts, each prompt cut to its
+    last ``max_prompt_tokens`` tokens (the hidden states are then exact for that cut
+    input), with the target's hidden states / top-k / argmax at every position.
+
+    Batches of ``batch`` prompts are written as they finish (``parts_dir/part_NNNN.npz``,
+    atomically; arrays ``hidden`` [N, D] float32, ``topk_p`` [N, topk] float32, ``topk_idx``
+    [N, topk] int32, ``argmax`` [N] int32 over the N positions of the part's sequences, and
+    ``seqs`` as JSON) and a restart skips the parts already there; records in ``first_ids``
+    (e.g. the eval questions) go first. Returns nothing: read the parts with
+    :func:`collect_parts`. With ``drafter = (EagleConfig, params)`` the continuations are the
+    drafter's greedy first drafts instead, scored by the target (:func:`_onpolicy_fn`).
+
+    ``samples > 1`` adds ``samples - 1`` continuations per prompt sampled at
+    ``temperature`` (seeded from ``seed``, the question id and the sample index), except
+    for the question ids in ``greedy_only`` (evaluation prompts keep their one greedy
+    continuation). Each sequence records its ``sample`` index (0 = greedy).
+
+    Raises:
+      DistillError: ``samples`` < 1, ``samples`` > 1 without a positive ``temperature``, or
+        ``samples`` ≠ 1 with a ``drafter``.
+      ValueError: text records for a target without a tokenizer.
+    """
+    os.makedirs(parts_dir, exist_ok=True)
+    if samples < 1 or (samples > 1 and not temperature > 0):
+        raise DistillError(f"samples per prompt must be >= 1 (got {samples}) and the data temperature > 0 "
+                           f"(got {temperature})")
+    if drafter is not None and samples != 1:
+        raise DistillError("on-policy (drafter) data is greedy: one sample per prompt")
+    items = _generation_items(target, records, chat, max_prompt_tokens, samples, first_ids, set(greedy_only))
+    p = max(len(x[1]) for x in items)
+    f = None
+    eos = set(target.config.eos_token_ids)
+    source = "target" if drafter is None else "drafter"
+    t0 = time.time()
+    for bi, lo in enumerate(range(0, len(items), batch)):
+        part = os.path.join(parts_dir, f"part_{bi:04d}.npz")
+        if os.path.exists(part):
+            continue
+        if f is None:
+            f = _generation_fn(target, drafter, p, max_new_tokens, topk)
+        chunk = items[lo: lo + batch]
+        outs = _generate_batch(f, target, chunk, batch, p, temperature, seed)
+        _write_part(part, *_part_arrays(outs, chunk, eos, seed, source))
+        log(f"generated {min(lo + batch, len(items))}/{len(items)} sequences ({time.time() - t0:.0f}s)")
+
+
+def _generation_items(target, records, chat, max_prompt_tokens, samples, first_ids, greedy_only):
+    """``(record, prompt ids, sample index)`` per continuation to generate, in generation
+    order: every greedy one (sample 0) first, records in ``first_ids`` order first."""
+    rank = {q: i for i, q in enumerate(first_ids)}
+    items = []
+    for r in records:
+        ids = encode_record(target, r, chat)[-max_prompt_tokens:]
+        for k in range(1 if r["question_id"] in greedy_only else samples):
+            items.append((r, ids, k))
+    items.sort(key=lambda x: (x[2] > 0, rank.get(x[0]["question_id"], len(rank)), x[0]["question_id"], x[2]))
+    return items
+
+
+def _generation_fn(target, drafter, p, max_new_tokens, topk):
+    """The jitted generation of :func:`generate_data`: ``f(params, prompt, lens, temps, seeds)``."""
+    if drafter is None:
+        return _gen_fn(target, p, max_new_tokens, topk)
+    g = _onpolicy_fn(target, drafter[0], p, max_new_tokens, topk)
+    return lambda params, prompt, lens, temps, seeds: g(params, drafter[1], prompt, lens)
+
+
+def _generate_batch(f, target, chunk, batch, p, temperature, seed):
+    """Run ``f`` on one chunk of items (padded to ``batch`` rows with its last item); the nine
+    outputs of :func:`_gen_fn` as NumPy arrays."""
+    import jax.numpy as jnp
+
+    rows = chunk + [chunk[-1]] * (batch - len(chunk))
+    prompt = np.zeros((batch, p), np.int32)
+    lens = np.array([len(x[1]) for x in rows], np.int32)
+    temps = np.array([temperature if k else 0.0 for _, _, k in rows], np.float32)
+    seeds = np.array([zlib.crc32(f"{seed}/{r['question_id']}/{k}".encode()) & 0x7FFFFFFF for r, _, k in rows],
+                     np.int32)
+    for j, (_, ids, _) in enumerate(rows):
+        prompt[j, : len(ids)] = ids
+    return [np.asarray(x) for x in f(target.params, jnp.asarray(prompt), jnp.asarray(lens), jnp.asarray(temps),
+                                     jnp.asarray(seeds))]
+
+
+def _part_arrays(outs, chunk, eos, seed, source):
+    """The sequences of one generated chunk (each cut after its first EOS) and their
+    per-position arrays ``(seqs, hidden, topk_p, topk_idx, argmax)`` (lists of pieces)."""
+    ph, pp, pi, pa, gt, gh, gp, gi, ga = outs
+    seqs, hid, tps, tis, ams = [], [], [], [], []
+    for j, (r, ids, k) in enumerate(chunk):
+        n = len(ids)
+        new = gt[j].tolist()  # new[i] is the input of step i (position n + i)
+        cut = len(new)
+        for i, t in enumerate(new):
+            if t in eos:
+                cut = i + 1
+                break
+        seqs.append({"question_id": r["question_id"], "category": r["category"], "ids": ids + new[:cut],
+                     "prompt_len": n, "turn": 0, "sample": k, "seed": seed, "source": source})
+        hid += [ph[j, :n], gh[j, :cut]]
+        tps += [pp[j, :n], gp[j, :cut]]
+        tis += [pi[j, :n], gi[j, :cut]]
+        ams += [pa[j, :n], ga[j, :cut]]
+    return seqs, hid, tps, tis, ams
+
+
+def _write_part(part, seqs, hid, tps, tis, ams):
+    """Write one part file atomically (a temporary file renamed)."""
+    tmp = part + ".tmp.npz"
+    np.savez(tmp, seqs=np.array(json.dumps(seqs)), hidden=np.concatenate(hid).astype(np.float32),
+             topk_p=np.concatenate(tps).astype(np.float32), topk_idx=np.concatenate(tis).astype(np.int32),
+             argmax=np.concatenate(ams).astype(np.int32))
+    os.replace(tmp, part)
+
+
+# Every other self-prompt wraps the sampled text in a task that reuses it (as summaries,
+# extraction, rewriting and translation requests do), so the copy term sees such contexts.
+SELF_TASKS = (
+    "Summarize the following text in a few sentences.\n\n{}",
+    "List the key facts stated in this text.\n\n{}",
+    "Rewrite the following text in a clear, formal style.\n\n{}",
+    "Translate the following text into French.\n\n{}",
+    "Read the text below, then answer: what is it about, and who is involved?\n\n{}",
+)
+
+
+def self_prompts(target, n: int, seed: int, path: str, *, max_tokens: int = 64, batch: int = 64, log=print):
+    """``n`` user prompts written by the target itself (Magpie, Xu et al. 2024): the chat
+    template up to the start of a user turn, then tokens sampled at temperature 1 until the
+    end of the turn (at most ``max_tokens``); every other one is wrapped in one of
+    ``SELF_TASKS`` (summarize / extract / rewrite / translate / answer about the text).
+    Prompts the drafter never saw, for fitting what must generalize (the copy term).
+    Written once to ``path`` (JSONL, question ids ``self-<seed>-<i>``, category ``self``)
+    and read back on a resume; empty and repeated prompts are dropped, so there may be
+    fewer than ``n``. Returns the records (as :func:`specjax.train.records.read_records`).
+
+    Raises:
+      DistillError: the target has no tokenizer or no chat template.
+    """
+    import jax.numpy as jnp
+
+    if os.path.exists(path):
+        return read_records(path)
+    tok = target.tokenizer
+    if tok is None or tok.chat_template is None:
+        raise DistillError("--self-prompts needs a target with a tokenizer and a chat template")
+    mark = "\u2063"
+    text = tok.apply_chat_template([{"role": "user", "content": mark}])
+    prefix = tok.encode(text[: text.index(mark)], add_special_tokens=False)
+    f = _gen_fn(target, len(prefix), max_tokens, 1)
+    eos = set(target.config.eos_token_ids)
+    recs, seen = [], set()
+    for lo in range(0, n, batch):
+        seeds = np.array([zlib.crc32(f"self/{seed}/{i}".encode()) & 0x7FFFFFFF for i in range(lo, lo + batch)],
+                         np.int32)
+        prompt = jnp.asarray(np.tile(np.asarray(prefix, np.int32), (batch, 1)))
+        outs = f(target.params, prompt, jnp.full((batch,), len(prefix), jnp.int32),
+                 jnp.ones((batch,), jnp.float32), jnp.asarray(seeds))
+        for j, row in enumerate(np.asarray(outs[4]).tolist()[: n - lo]):
+            cut = next((i for i, t in enumerate(row) if t in eos), len(row))
+            q = tok.decode(row[:cut]).strip()
+            if q and q not in seen:
+                seen.add(q)
+                i = lo + j
+                text = SELF_TASKS[(i // 2) % len(SELF_TASKS)].format(q) if i % 2 else q
+                recs.append({"question_id": f"self-{seed}-{i}", "category": "self", "turns": [text]})
+        log(f"self-prompts: {len(recs)} from {min(lo + batch, n)} samples")
+    with open(path + ".tmp", "w", encoding="utf-8") as fh:
+        for r in recs:
+            fh.write(json.dumps(r) + "\n")
+    os.replace(path + ".tmp", path)
+    return recs
+
+
+def collect_parts(parts_dir: str) -> tuple[list[dict], dict]:
+    """All finished parts of ``parts_dir`` as ``(seqs, arrays)``: the sequence dicts, each
+    with its ``offset`` (first row) into the concatenated arrays ``hidden`` [N, D] float32,
+    ``topk_p`` [N, k] float32, ``topk_idx`` [N, k] int32 and ``argmax`` [N] int32.
+
+    Raises:
+      DistillError: no finished part in ``parts_dir``.
+    """
+    seqs, arrs = [], defaultdict(list)
+    off = 0
+    for name in sorted(os.listdir(parts_dir)):
+        if not (name.startswith("part_") and name.endswith(".npz")) or ".tmp" in name:
+            continue
+        z = np.load(os.path.join(parts_dir, name))
+        for q in json.loads(str(z["seqs"])):
+            q["offset"] = off
+            off += len(q["ids"])
+            seqs.append(q)
+        for k in ("hidden", "topk_p", "topk_idx", "argmax"):
+            arrs[k].append(z[k])
+    if not seqs:
+        raise DistillError(f"{parts_dir}: no generated data yet")
+    return seqs, {k: np.concatenate(v) for k, v in arrs.items()}
+
+
+def collect_data(dirs: list[str]) -> tuple[list[dict], dict]:
+    """Several data sets (``collect_parts`` of each) as one. A continuation present in more
+    than one set is kept once: the greedy one of a prompt (``sample`` 0, the same for every
+    seed) or a sampled one with the same seed and sample index. Returns ``(seqs, arrays)``
+    as :func:`collect_parts` (offsets into the merged arrays).
+
+    Raises:
+      DistillError: a directory with no finished part.
+    """
+    seqs, arrs, off = [], defaultdict(list), 0
+    seen = set()
+    for d in dirs:
+        ds, da = collect_parts(d)
+        for q in ds:
+            k = q.get("sample", 0)
+            key = (q["question_id"], q.get("turn", 0), q.get("source"), k, q.get("seed", 0) if k else None)
+            if key in seen:
+                continue
+            seen.add(key)
+            lo, n = q["offset"], len(q["ids"])
+            for name, v in da.items():
+                arrs[name].append(v[lo: lo + n])
+            seqs.append(dict(q, offset=off))
+            off += n
+    return seqs, {k: np.concatenate(v) for k, v in arrs.items()}
+
+
+def save_data(path: str, seqs: list[dict], arrays: dict) -> None:
+    """Write a collected data set (``seqs.json`` and one ``.npy`` per array) to the directory
+    ``path``, replacing it atomically (written to ``path.tmp`` and renamed). Not used by
+    the pipeline, which keeps its parts (:func:`collect_parts`)."""
+    tmp = path + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    for k, v in arrays.items():
+        np.save(os.path.join(tmp, k + ".npy"), v)
+    with open(os.path.join(tmp, "seqs.json"), "w") as f:
+        json.dump(seqs, f)
+    if os.path.exists(path):
+        shutil.rmtree(path)
+    os.replace(tmp, path)
+
+
+def load_data(path: str) -> tuple[list[dict], dict]:
+    """A data set written by :func:`save_data`, as ``(seqs, arrays)``."""
+    with open(os.path.join(path, "seqs.json")) as f:
+        seqs = json.load(f)
+    arrays = {k: np.load(os.path.join(path, k + ".npy")) for k in ("hidden", "topk_p", "topk_idx", "argmax")}
+    return seqs, arrays
+
+
+def choose_sub_vocab(seqs: list[dict], vocab_size: int, k: int) -> np.ndarray:
+    """The ``k`` most frequent token ids in ``seqs`` (ties by lowest id), filled up with the
+    lowest unused ids (earliest BPE merges ≈ most frequent in the tokenizer's corpus).
+    Returns ``min(k, vocab_size)`` distinct ids, sorted, int32."""
+    k = min(k, vocab_size)
+    c = Counter()
+    for s in seqs:
+        c.update(s["ids"])
+    ranked = sorted(c.items(), key=lambda kv: (-kv[1], kv[0]))
+    chosen = [i for i, _ in ranked[:k] if i < vocab_size]
+    have = set(chosen)
+    i = 0
+    while len(chosen) < k:
+        if i not in have:
+            chosen.append(i)
+        i += 1
+    return np.array(sorted(chosen), np.int32)
+

@@ -1,0 +1,229 @@
+"""The training loop of a distillation: optimizer, jitted training and evaluation steps,
+greedy α on the held-out sequences, orbax checkpoints with exact resume, and the loop."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+
+import numpy as np
+
+from specjax.train.batches import build_batch, make_windows
+from specjax.train.common import log
+from specjax.train.losses import loss_parts
+
+
+@dataclasses.dataclass
+class TrainState:
+    """What a checkpoint holds, and the α history: ``params`` (the drafter's trainable
+    parameters, a dict of arrays), ``opt_state`` (optax), ``step`` (steps done) and
+    ``history`` (one :func:`evaluate` result per evaluation, each with its ``step``)."""
+
+    params: dict
+    opt_state: object
+    step: int = 0
+    history: list = dataclasses.field(default_factory=list)
+
+
+def make_train_step(cfg, opt, ce_weight, unroll_weight, full_ce=True):
+    """The jitted training step ``step(tp, opt_state, frozen, batch) -> (tp, opt_state, loss, acc)``:
+    one optimizer update of the trainable parameters ``tp`` on a batch of
+    :func:`specjax.train.batches.build_batch` (JAX arrays). ``loss`` (float32 scalar) is the
+    masked mean of the first-pass loss + ``unroll_weight`` × the unrolled-pass loss
+    (:func:`specjax.train.losses.loss_parts`); ``acc`` the first-pass greedy hit rate."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    def loss_fn(tp, frozen, batch):
+        params = {"train": tp, "frozen": frozen}
+        l1, l2, hit1, _ = loss_parts(cfg, params, batch, ce_weight, full_ce=full_ce,
+                                     second_pass=unroll_weight > 0)
+        m = batch["mask"]
+        den = jnp.maximum(m.sum(), 1.0)
+        loss = (jnp.sum(l1 * m) + unroll_weight * jnp.sum(l2 * m)) / den
+        return loss, jnp.sum(hit1 * m) / den
+
+    @jax.jit
+    def step(tp, opt_state, frozen, batch):
+        (loss, acc), g = jax.value_and_grad(loss_fn, has_aux=True)(tp, frozen, batch)
+        upd, opt_state = opt.update(g, opt_state, tp)
+        tp = optax.apply_updates(tp, upd)
+        return tp, opt_state, loss, acc
+
+    return step
+
+
+def make_eval_fn(cfg):
+    """The jitted evaluation ``ev(tp, frozen, batch) -> (hits1 [B], hits2 [B], positions [B])``:
+    greedy hits of the first draft (true features) and of a second draft (own features),
+    summed over each window's response positions (float32)."""
+    import jax
+    import jax.numpy as jnp
+
+    @jax.jit
+    def ev(tp, frozen, batch):
+        _, _, hit1, hit2 = loss_parts(cfg, {"train": tp, "frozen": frozen}, batch, 0.0, full_head=True)
+        m = batch["resp"]
+        return jnp.sum(hit1 * m, axis=1), jnp.sum(hit2 * m, axis=1), jnp.sum(m, axis=1)
+
+    return ev
+
+
+COPY_BIAS_LR_MULT = 100.0  # the copy term's per-n biases need logit-sized moves (a few units) in few steps
+
+
+def make_optimizer(steps, lr, warmup, weight_decay, freeze_base=False):
+    """AdamW with linear warmup and cosine decay, global-norm clipping at 1. The copy
+    term's biases ``copy_b`` (if any) use ``COPY_BIAS_LR_MULT`` × the learning rate and no
+    weight decay: each is one scalar that must move by several logits. ``freeze_base``:
+    only ``copy_w``/``copy_b`` change."""
+    import jax
+    import optax
+
+    warmup = max(1, min(warmup, steps // 5 or 1))
+
+    def sched(peak):
+        return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, max(steps, warmup + 1), end_value=peak * 0.05)
+
+    def label(k):
+        if k == "copy_b":
+            return "bias"
+        return "frozen" if freeze_base and k != "copy_w" else "base"
+
+    labels = lambda tp: {k: jax.tree_util.tree_map(lambda _: label(k), v) for k, v in tp.items()}
+    inner = optax.multi_transform({"base": optax.adamw(sched(lr), weight_decay=weight_decay),
+                                   "bias": optax.adam(sched(lr * COPY_BIAS_LR_MULT)),
+                                   "frozen": optax.set_to_zero()}, labels)
+    return optax.chain(optax.clip_by_global_norm(1.0), inner)
+
+
+# --------------------------------------------------------------------------- evaluation
+def evaluate(ev, tp, frozen, seqs, data, eval_idx, sub_pos, window, d, batch_size, copy_ngram=0):
+    """Greedy α of the first draft (true features) and of a second draft (own features),
+    over the response positions of the eval sequences (the last ``window`` positions of
+    each), pooled and per category: ``{"alpha", "alpha2", "positions", "by_category":
+    {category: {"alpha", "alpha2", "positions"}}}``. ``ev``: :func:`make_eval_fn`; the
+    batches are :func:`specjax.train.batches.build_batch` of ``batch_size`` windows."""
+    import jax.numpy as jnp
+
+    wins = make_windows([seqs[i] for i in eval_idx], window, eval_only_response=True)
+    wins = [(eval_idx[i], st) for i, st in wins]
+    by = defaultdict(lambda: np.zeros(3))
+    tot = np.zeros(3)
+    for lo in range(0, len(wins), batch_size):
+        chunk = wins[lo: lo + batch_size]
+        pad = chunk + [chunk[-1]] * (batch_size - len(chunk))
+        bt = build_batch(seqs, data, pad, sub_pos, window, d, copy_ngram=copy_ngram)
+        h1, h2, n = (np.asarray(x) for x in ev(tp, frozen, {k: jnp.asarray(v) for k, v in bt.items()}))
+        for j, (i, _) in enumerate(chunk):
+            v = np.array([h1[j], h2[j], n[j]])
+            by[seqs[i]["category"]] += v
+            tot += v
+    res = {"alpha": tot[0] / max(tot[2], 1), "alpha2": tot[1] / max(tot[2], 1), "positions": int(tot[2])}
+    res["by_category"] = {c: {"alpha": v[0] / max(v[2], 1), "alpha2": v[1] / max(v[2], 1), "positions": int(v[2])}
+                          for c, v in sorted(by.items())}
+    return res
+
+
+
+def latest_complete_step(mngr, ckdir: str) -> int | None:
+    """The newest step orbax lists whose directory is finalized. Orbax writes a step into
+    ``<step>.orbax-checkpoint-tmp-*`` and renames it when complete (such temporaries are
+    never listed); as a second guard a step directory without orbax's
+    ``_CHECKPOINT_METADATA`` file (written when a save completes) is skipped too.
+    ``None`` when there is no complete step."""
+    for step in sorted(mngr.all_steps(), reverse=True):
+        if os.path.isfile(os.path.join(ckdir, str(step), "_CHECKPOINT_METADATA")):
+            return step
+        log(f"skipping incomplete checkpoint directory {os.path.join(ckdir, str(step))}")
+    return None
+
+
+
+
+def open_checkpoints(ckdir: str):
+    """An orbax ``CheckpointManager`` on ``ckdir`` (created if missing): synchronous saves,
+    the newest 3 steps kept."""
+    import orbax.checkpoint as ocp
+
+    return ocp.CheckpointManager(ckdir, options=ocp.CheckpointManagerOptions(
+        max_to_keep=3, save_interval_steps=1, enable_async_checkpointing=False, create=True))
+
+
+def restore_latest(mngr, ckdir: str, state: TrainState, history_file: str) -> int | None:
+    """Load the newest complete checkpoint into ``state`` (parameters, optimizer state,
+    step; ``state`` gives the tree structure) and the α history up to its step from
+    ``history_file``. Returns the restored step, ``None`` (state unchanged) without one."""
+    import orbax.checkpoint as ocp
+
+    latest = latest_complete_step(mngr, ckdir)
+    if latest is None:
+        return None
+    tmpl = {"params": state.params, "opt_state": state.opt_state, "step": np.asarray(0, np.int64)}
+    restored = mngr.restore(latest, args=ocp.args.StandardRestore(tmpl))
+    state.params, state.opt_state = restored["params"], restored["opt_state"]
+    state.step = int(restored["step"])
+    if os.path.exists(history_file):
+        with open(history_file) as f:
+            state.history = [h for h in json.load(f) if h["step"] <= state.step]
+    log(f"restored checkpoint at step {state.step}")
+    return latest
+
+
+def save_checkpoint(mngr, state: TrainState) -> None:
+    """Save ``state`` as checkpoint ``state.step`` and wait until it is complete."""
+    import orbax.checkpoint as ocp
+
+    mngr.save(state.step, args=ocp.args.StandardSave({"params": state.params, "opt_state": state.opt_state,
+                                                      "step": np.asarray(state.step, np.int64)}))
+    mngr.wait_until_finished()
+
+
+def record_eval(out: str, state: TrainState, step: int, result: dict) -> dict:
+    """Append an :func:`evaluate` result (stamped with ``step``) to ``state.history`` and
+    rewrite ``out/history.json`` atomically. Returns ``result``."""
+    result["step"] = step
+    state.history.append(result)
+    with open(os.path.join(out, "history.json.tmp"), "w") as f:
+        json.dump(state.history, f, indent=1)
+    os.replace(os.path.join(out, "history.json.tmp"), os.path.join(out, "history.json"))
+    return result
+
+
+def train(state: TrainState, mngr, *, steps: int, step_fn, frozen, batch_for, eval_at, eval_every: int,
+          checkpoint_every: int, onpolicy_after: int | None = None, add_onpolicy=None) -> float:
+    """Train from ``state.step`` to ``steps`` (``state`` updated in place); returns the
+    seconds spent (this session). Step s uses ``batch_for(s)`` (NumPy arrays); every
+    ``eval_every`` steps and at the end ``eval_at(step)`` (an :func:`evaluate` result) runs;
+    a checkpoint is saved every ``checkpoint_every`` steps, at the end and at
+    ``onpolicy_after``, after which ``add_onpolicy(params)`` adds the on-policy data.
+    ``mngr`` is closed at the end. A progress bar on stderr (a TTY only; never with
+    ``SPECJAX_NO_PROGRESS=1``)."""
+    import jax.numpy as jnp
+    from tqdm import tqdm
+
+    alpha = state.history[-1]["alpha"] if state.history else float("nan")
+    bar = tqdm(range(state.step, steps), initial=state.step, total=steps, desc="distill", file=sys.stderr,
+               disable=True if os.environ.get("SPECJAX_NO_PROGRESS") == "1" else None,  # None: only on a TTY
+               mininterval=2.0)
+    t0 = time.time()
+    for step in bar:
+        b = {k: jnp.asarray(v) for k, v in batch_for(step).items()}
+        state.params, state.opt_state, loss, acc = step_fn(state.params, state.opt_state, frozen, b)
+        done = state.step = step + 1
+        if eval_every and (done % eval_every == 0 or done == steps):
+            alpha = eval_at(done)["alpha"]
+        if done % checkpoint_every == 0 or done == steps or done == onpolicy_after:
+            save_checkpoint(mngr, state)
+        if done == onpolicy_after:
+            add_onpolicy(state.params)
+        bar.set_postfix(loss=f"{float(loss):.3f}", acc=f"{float(acc):.2f}", alpha=f"{alpha:.3f}")
+    bar.close()
+    mngr.wait_until_finished()
+    mngr.close()
+    return time.time() - t0

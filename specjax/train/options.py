@@ -1,0 +1,116 @@
+"""The options of ``specjax distill``: the settings a run records in ``run.json``, their
+validation, and checks of the output directory and of ``--bench-gammas``."""
+
+from __future__ import annotations
+
+import os
+
+from specjax.train.common import DistillError
+from specjax.train.records import read_records, read_split
+
+# the options a run records in DIR/run.json (a --resume continues with the recorded values)
+RUN_KEYS = ("model", "prompts", "split", "steps", "seed", "batch_size", "lr", "eval_every", "data", "sub_vocab",
+            "intermediate", "window", "max_new_tokens", "gen_batch", "topk", "ce_weight", "unroll_weight",
+            "warmup", "checkpoint_every", "chat", "weight_decay", "max_prompt_tokens", "onpolicy_after", "gamma",
+            "data_dir", "ce", "samples_per_prompt", "data_temperature", "copy_ngram", "init_from", "self_prompts",
+            "train_only")
+
+
+# (option, smallest allowed value, what it means) for distill's numeric options
+_MIN = [("steps", 0, "training steps; 0 = only generate the data set"), ("batch_size", 1, "windows per step"),
+        ("warmup", 0, "warm-up steps"),
+        ("eval_every", 0, "steps between evaluations, 0 = off"), ("checkpoint_every", 1, "steps between checkpoints"),
+        ("onpolicy_after", 0, "steps"), ("gamma", 1, "draft tokens per round"), ("sub_vocab", 1, "head rows"),
+        ("intermediate", 1, "MLP width"), ("copy_ngram", 0, "0 = none"), ("self_prompts", 0, "prompts"),
+        ("window", 2, "positions per window"), ("max_new_tokens", 1, "tokens"), ("max_prompt_tokens", 1, "tokens"),
+        ("gen_batch", 1, "prompts per batch"), ("samples_per_prompt", 1, "continuations"),
+        ("topk", 1, "probabilities per position"), ("bench_per_category", 0, "0 = all"), ("bench_limit", 0, "0 = all")]
+_NONNEG_FLOATS = [("lr", False), ("weight_decay", True), ("data_temperature", True), ("ce_weight", True),
+                  ("unroll_weight", True)]
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def check_args(s, export_only: bool = False) -> None:
+    """Validate distill's options before anything is written or loaded.
+
+    Raises:
+      DistillError: a numeric option out of range, a conflicting combination, or a missing file.
+    """
+    import math
+
+    for name, lo, what in _MIN:
+        v = getattr(s, name, None)
+        if v is None or (name == "steps" and export_only):
+            continue
+        if v < lo:
+            raise DistillError(f"{_flag(name)} must be an integer >= {lo} ({what}), got {v}")
+    for name, zero_ok in _NONNEG_FLOATS:
+        v = getattr(s, name, None)
+        if v is not None and not (math.isfinite(v) and (v >= 0 if zero_ok else v > 0)):
+            raise DistillError(f"{_flag(name)} must be a finite number {'>= 0' if zero_ok else '> 0'}, got {v}")
+    seed = getattr(s, "seed", 0)
+    if not 0 <= seed < 2**64:
+        raise DistillError(f"--seed must be in [0, 2**64), got {seed}")
+    if getattr(s, "copy_ngram", 0) and s.data != "target":
+        raise DistillError("--copy-ngram trains on target data only (--data target): on-policy generation has no "
+                           "copy term yet")
+    if getattr(s, "copy_ngram", 0) and s.ce != "full":
+        raise DistillError("--copy-ngram needs --ce full (the copy term competes with the whole sub-vocabulary)")
+    if getattr(s, "train_only", None) == "copy" and not (s.copy_ngram and s.init_from):
+        raise DistillError("--train-only copy fits the copy term of a trained drafter: give --copy-ngram N and "
+                           "--init-from DRAFTER_DIR")
+    if getattr(s, "data", "target") in ("drafter", "both") and not 0 < s.onpolicy_after < s.steps:
+        raise DistillError(f"--data {s.data} needs 0 < --onpolicy-after < --steps (steps trained on target data "
+                           "before the drafter generates its own)")
+    given = [s.data_dir] if isinstance(getattr(s, "data_dir", None), str) else list(getattr(s, "data_dir", None) or [])
+    for x in given:
+        if not os.path.isdir(os.path.abspath(x)):
+            raise DistillError(f"--data-dir {x}: no data set there (a run's DIR/data)")
+    if getattr(s, "init_from", None) and not os.path.isdir(os.path.expanduser(s.init_from)):
+        raise DistillError(f"--init-from {s.init_from}: no such drafter directory")
+    if s.prompts is None:
+        raise DistillError("--prompts FILE is required (JSONL: Spec-Bench 'turns', 'prompt' or 'ids')")
+    records = read_records(s.prompts)
+    if s.split:
+        split = read_split(s.split)
+        ids = {r["question_id"] for r in records}
+        if not ids & set(x for x in split["train"] + split["eval"] if isinstance(x, (int, str))):
+            raise DistillError(f"--split {s.split}: none of its question ids is in {s.prompts}")
+
+
+def not_started(out: str) -> bool:
+    """A run directory holding only ``run.json``: the settings were written, then the run
+    failed or was stopped before making anything (e.g. during the model load)."""
+    return os.path.isdir(out) and os.listdir(out) == ["run.json"]
+
+
+def parse_gammas(text: str) -> list[int]:
+    """``--bench-gammas``: comma-separated draft lengths, e.g. ``"2,3,4"`` -> ``[2, 3, 4]``.
+
+    Raises:
+      DistillError: not comma-separated integers, or one below 1.
+    """
+    try:
+        gammas = [int(g) for g in str(text).split(",")]
+    except ValueError:
+        gammas = []
+    if not gammas or min(gammas) < 1:
+        raise DistillError(f"--bench-gammas must be comma-separated integers >= 1, e.g. 2,3,4; got {text!r}")
+    return gammas
+
+
+def check_out_dir(out: str) -> None:
+    """Fail before any work when the run directory cannot be created or written.
+
+    Raises:
+      DistillError: naming ``--out`` and why it cannot be written.
+    """
+    from specjax.eval.bench import check_writable
+
+    try:
+        check_writable(os.path.join(out, "run.json"))
+    except ValueError as e:
+        raise DistillError(str(e).replace(f"--out {os.path.join(out, 'run.json')}", f"--out {out}")) from None
