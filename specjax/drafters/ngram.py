@@ -56,7 +56,7 @@ def lookup_candidate(tokens, lengths, max_n: int):
     Returns:
       ``(candidate [B] int32, n [B] int32)``: the token that followed the latest earlier
       occurrence of the row's trailing n-gram, n the longest matching size (0 and token 0
-      when nothing matches). :func:`specjax.train.distill.lookup_candidates` is the same rule
+      when nothing matches). :func:`specjax.train.batches.lookup_candidates` is the same rule
       over whole training sequences, in NumPy.
     """
     toks, _, n = jax.vmap(lambda b, m: _lookup_row(b, m, 1, 1, max_n))(tokens, lengths)
