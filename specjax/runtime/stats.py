@@ -1,0 +1,99 @@
+"""One statistics type for decoding runs: :class:`RunStats`, summed over rows, batches,
+prompts or categories with ``+`` (a merge), and the derived figures defined once.
+
+Definitions (Leviathan et al. 2023 §3; Spec-Bench, Xia et al. 2024):
+
+* ``mean_accepted_tokens`` τ = new tokens ÷ target calls (the bonus/residual token included);
+* ``acceptance_rate`` = accepted ÷ checked draft tokens (``None`` when nothing was drafted:
+  autoregressive decoding has no acceptance rate);
+* ``tokens_per_s`` = new tokens ÷ decode seconds (prefill and compile excluded).
+
+Per-row counters come from :func:`specjax.runtime.decoder.row_stats` (they count only
+emitted tokens); this module only adds them up. It lives in the runtime layer so that every
+layer above it (``specjax.api`` included) can use it; :mod:`specjax.eval.stats` re-exports it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Mapping
+
+COUNTERS = ("new_tokens", "target_calls", "draft_calls", "drafted_tokens", "accepted_tokens", "checked_tokens")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunStats:
+    """Counters (ints), seconds and the acceptance histogram of one or more decoded rows.
+
+    accept_hist: rounds by number of accepted draft tokens (index n = n accepted), of any
+      length (histograms of different γ merge by zero-padding).
+    decode_s / prefill_s: seconds; rows of one batch share their batch's seconds, so add a
+      batch's seconds once (:meth:`from_batch`), not once per row.
+    rows: decoded rows (prompts) counted.
+    """
+
+    new_tokens: int = 0
+    target_calls: int = 0
+    draft_calls: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    checked_tokens: int = 0
+    accept_hist: tuple[int, ...] = ()
+    decode_s: float = 0.0
+    prefill_s: float = 0.0
+    rows: int = 0
+
+    @classmethod
+    def from_row(cls, stats: Mapping) -> "RunStats":
+        """One row's counters (a ``GenerationResult.stats`` dict; seconds are not taken)."""
+        return cls(**{k: int(stats.get(k) or 0) for k in COUNTERS},
+                   accept_hist=tuple(int(x) for x in stats.get("accept_hist") or ()), rows=1)
+
+    @classmethod
+    def from_batch(cls, row_stats: Iterable[Mapping], decode_s: float = 0.0, prefill_s: float = 0.0) -> "RunStats":
+        """The rows of one decoded batch plus the batch's seconds (counted once)."""
+        total = sum((cls.from_row(s) for s in row_stats), cls())
+        return dataclasses.replace(total, decode_s=float(decode_s), prefill_s=float(prefill_s))
+
+    def __add__(self, other: "RunStats") -> "RunStats":
+        if not isinstance(other, RunStats):
+            return NotImplemented
+        a, b = list(self.accept_hist), list(other.accept_hist)
+        n = max(len(a), len(b))
+        hist = tuple(x + y for x, y in zip(a + [0] * (n - len(a)), b + [0] * (n - len(b))))
+        return RunStats(**{k: getattr(self, k) + getattr(other, k) for k in COUNTERS}, accept_hist=hist,
+                        decode_s=self.decode_s + other.decode_s, prefill_s=self.prefill_s + other.prefill_s,
+                        rows=self.rows + other.rows)
+
+    def __radd__(self, other):  # sum() starts from the int 0
+        return self if other == 0 else self.__add__(other)
+
+    @property
+    def drafting(self) -> bool:
+        """Whether a drafter ran (draft calls were made)."""
+        return self.draft_calls > 0
+
+    @property
+    def mean_accepted_tokens(self) -> float | None:
+        """τ: new tokens per target call (``None`` without target calls)."""
+        return self.new_tokens / self.target_calls if self.target_calls else None
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted ÷ checked draft tokens; 0.0 when drafts were never checked, ``None`` without a drafter."""
+        if not self.drafting:
+            return None
+        return self.accepted_tokens / self.checked_tokens if self.checked_tokens else 0.0
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """New tokens per decode second (``None`` before any decode time)."""
+        return self.new_tokens / self.decode_s if self.decode_s > 0 else None
+
+    def summary(self) -> dict:
+        """Counters and derived figures as a plain dict (JSON-ready)."""
+        d = {k: getattr(self, k) for k in COUNTERS}
+        d.update(accept_hist=list(self.accept_hist), decode_s=self.decode_s, prefill_s=self.prefill_s,
+                 rows=self.rows, mean_accepted_tokens=self.mean_accepted_tokens,
+                 acceptance_rate=self.acceptance_rate, tokens_per_s=self.tokens_per_s)
+        return d
