@@ -318,6 +318,7 @@ def cmd_analyze(args) -> int:
 def run_models(args) -> dict:
     from specjax.cli.common import collect_prompts, load_target_and_drafter, resolve
     from specjax.eval import measure
+    from specjax.runtime.settings import DecodeSettings
 
     s = resolve(args, need_draft="analyze with models needs one drafter: --draft ngram[:N] | PATH_OR_ID "
                                   "(or give numbers only: --alpha A --c C)")
@@ -334,10 +335,11 @@ def run_models(args) -> dict:
     prompts = select_prompts(collect_prompts(args), args.categories, args.limit)
     target, drafter = load_target_and_drafter(s)
     log = (lambda m: print(f"specjax analyze: {m}", file=sys.stderr, flush=True))
+    settings = DecodeSettings(max_new_tokens=s["max_new_tokens"], temperature=s["temperature"], top_k=s["top_k"],
+                              top_p=s["top_p"], seed=args.seed, batch_size=args.batch_size,
+                              ignore_eos=args.ignore_eos)
     rep = measure.analyze_pair(
-        target, drafter, prompts, gamma_max=gmax, gamma=gamma, chat=bool(s["chat"]),
-        max_new_tokens=s["max_new_tokens"], temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"],
-        seed=args.seed, batch_size=args.batch_size, ignore_eos=args.ignore_eos, repeats=args.repeats,
+        target, drafter, prompts, settings, gamma_max=gmax, gamma=gamma, chat=bool(s["chat"]), repeats=args.repeats,
         timing_repeats=args.timing_repeats, log=log, progress=not args.no_progress,
     )
     rep["mode"] = "models"
