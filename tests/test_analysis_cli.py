@@ -277,7 +277,7 @@ def test_model_mode_tiny_models_json_fields(capsys, tmp_path):
     assert set(m["by_category"]) == {"qa", "math"}
     assert png.read_bytes()[:4] == b"\x89PNG"
     # the human rendering of the same report: markdown tables
-    from specjax.cli.analyze import render_models
+    from specjax.eval.report import render_models
 
     text = render_models(rep)
     assert "### Acceptance rate" in text and "recommended γ" in text and "| speedup (×) |" in text
