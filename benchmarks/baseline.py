@@ -32,6 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from specjax.eval.bench import _json_default, check_out_path, machine_info, run_bench, write_json  # noqa: E402
+from specjax.runtime.settings import DecodeSettings  # noqa: E402
 
 GOAL_FLOOR_RATIO = 1.25
 GOAL_VS_TRANSFORMERS = 2.0
@@ -129,8 +130,8 @@ def main(argv=None) -> int:
     runs: dict = {}
     for b in args.batch_sizes:
         log(f"specjax autoregressive, batch {b}")
-        runs[f"specjax_b{b}"] = run_bench(prompts, drafts=[], gammas=[], batch_size=b,
-                                          max_new_tokens=args.max_new_tokens, chat=True, ignore_eos=True, log=log)
+        settings = DecodeSettings(batch_size=b, max_new_tokens=args.max_new_tokens, ignore_eos=True)
+        runs[f"specjax_b{b}"] = run_bench(prompts, settings, drafts=[], gammas=[], chat=True, log=log)
     if not args.skip_transformers:
         import peers_transformers as peers
 

@@ -88,7 +88,7 @@ for D in "${DRAFTS[@]}"; do
   mv "$OUT/$name.json.tmp" "$OUT/$name.json"
   python -c "
 import json, sys
-from specjax.cli.analyze import render_models
+from specjax.eval.report import render_models
 print(render_models(json.load(open(sys.argv[1]))))" "$OUT/$name.json" > "$OUT/$name.md" \
     || echo "(could not render $OUT/$name.json as markdown; the JSON is complete)" >&2
 done

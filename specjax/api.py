@@ -16,10 +16,11 @@ from typing import Any, Sequence
 
 from specjax.models.config import CheckpointError
 from specjax.runtime.decoder import Decoder
+from specjax.runtime.settings import DecodeSettings
+from specjax.runtime.stats import RunStats
 from specjax.drafters.model import ModelDrafter, check_vocab_compatible
 from specjax.drafters.ngram import NgramDrafter
 from specjax.io.loading import Model, load_model
-from specjax.core.sampling import SamplingParams
 
 DRAFT_CHOICES = "none, ngram[:N], default, or a drafter PATH_OR_ID"
 
@@ -265,6 +266,7 @@ def generate_text(
     on_done=None,
     progress=None,
     parse_special: bool = True,
+    settings: DecodeSettings | None = None,
 ) -> list[dict]:
     """Generate text for each prompt. Returns one dict per prompt:
     ``{"text", "tokens", "stats"}`` (and ``"logprobs"`` when asked) where ``stats`` has
@@ -273,6 +275,11 @@ def generate_text(
     speculative counters of :class:`specjax.runtime.decoder.GenerationResult`.
 
     Args:
+      max_new_tokens, temperature, top_k, top_p, seed, batch_size, ignore_eos: the decoding
+        settings as keywords (see :class:`specjax.runtime.settings.DecodeSettings` for the
+        ranges), or all together as ``settings``.
+      settings: a :class:`~specjax.runtime.settings.DecodeSettings` (then leave those keywords
+        at their defaults).
       stop: strings that end a row when its decoded text contains one: the text is cut
         before it, ``tokens`` end with the token that completed it, ``finish_reason`` is
         ``"stop"``, and nothing after it is emitted or counted (exact with speculative
@@ -293,46 +300,72 @@ def generate_text(
     Prompt i uses request key ``fold_in(seed_key(seed), i)``, whatever its batch.
 
     Raises:
-      ValueError: an empty prompt or stop string, bad sampling settings or stop ids.
+      ValueError: an empty prompt or stop string, bad sampling settings or stop ids, or
+        ``settings`` together with a decoding keyword that is not its default.
     """
+    kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+              batch_size=batch_size, ignore_eos=ignore_eos)
+    settings = _settings(settings, kw)
     stop = [] if stop is None else list(stop)
     if any(not isinstance(s, str) or not s for s in stop):
         raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")
     ids = encode_prompts(target, prompts, chat, parse_special=parse_special)
-    bs = batch_size or len(ids)
-    if bs < 1:
-        raise ValueError(f"batch_size must be >= 1, got {bs}")
     dec = decoder or Decoder(target, drafter, gamma, progress=progress)
     tok = target.tokenizer
     per_row_stops = stop_token_ids is not None and len(stop_token_ids) > 0 and all(
         isinstance(x, (list, tuple)) for x in stop_token_ids)
     results = []
-    for start in range(0, len(ids), bs):
-        chunk = ids[start:start + bs]
-        sp = SamplingParams.create(len(chunk), temperature, top_k, top_p)
+    for rows in settings.batches(len(ids)):
+        start = rows.start
+        chunk = ids[start:rows.stop]
         streams = [TextStream(tok, stop) for _ in chunk]
         stop_fn = (lambda i, toks: stop_cut(tok, toks, stop)) if stop else None
         on_chunk = None if on_text is None else _text_callback(on_text, streams, start)
-        r = dec.generate(chunk, max_new_tokens=max_new_tokens, sampling=sp, seed=seed, seed_offset=start,
-                         eos_ids=[] if ignore_eos else None, stop_fn=stop_fn, on_chunk=on_chunk,
-                         stop_token_ids=stop_token_ids[start:start + bs] if per_row_stops else stop_token_ids,
-                         logprobs=logprobs)
-        for j, (toks, st) in enumerate(zip(r.tokens, r.stats)):
-            st = dict(st, prefill_s=r.prefill_s, decode_s=r.decode_s, compile_s=r.compile_s,
-                      tokens_per_s=len(toks) / r.decode_s if r.decode_s > 0 else 0.0, batch_size=len(chunk))
-            text = TextStream(tok, stop)
-            text.feed(toks)
-            out = {"text": text.text(final=True), "tokens": toks, "stats": st}
+        r = dec.generate(chunk, max_new_tokens=settings.max_new_tokens, sampling=settings.sampling(len(chunk)),
+                         seed=settings.seed, seed_offset=start, eos_ids=settings.eos_ids(), stop_fn=stop_fn,
+                         on_chunk=on_chunk, logprobs=logprobs,
+                         stop_token_ids=stop_token_ids[start:rows.stop] if per_row_stops else stop_token_ids)
+        for j in range(len(chunk)):
+            out = _row_result(tok, stop, r, j)
             if on_text is not None:
                 rest = streams[j].feed([], final=True)
                 if rest:
                     on_text(start + j, rest)
-            if r.logprobs is not None:
-                out["logprobs"] = _logprob_records(tok, r.logprobs[j])
             results.append(out)
             if on_done is not None:
                 on_done(start + j, out)
     return results
+
+
+def _settings(settings: DecodeSettings | None, kw: dict) -> DecodeSettings:
+    """``settings``, or one built from :func:`generate_text`'s decoding keywords ``kw``.
+
+    Raises:
+      ValueError: a keyword out of range, or ``settings`` with a keyword that is not its default.
+    """
+    if settings is None:
+        return DecodeSettings(**kw)
+    default = DecodeSettings()  # its defaults are generate_text's keyword defaults
+    given = sorted(k for k, v in kw.items() if v != getattr(default, k))
+    if given:
+        raise ValueError(f"pass the decoding settings either as settings= or as keywords, not both "
+                         f"(got settings and {', '.join(given)})")
+    return settings
+
+
+def _row_result(tok, stop, r, j: int) -> dict:
+    """:func:`generate_text`'s dict for row ``j`` of a batch's GenerationResult ``r``: the text
+    (cut before a stop string), tokens, stats with the batch's seconds and the row's tokens/s."""
+    toks = r.tokens[j]
+    tps = RunStats.from_batch([dict(r.stats[j], new_tokens=len(toks))], decode_s=r.decode_s).tokens_per_s
+    st = dict(r.stats[j], prefill_s=r.prefill_s, decode_s=r.decode_s, compile_s=r.compile_s,
+              tokens_per_s=0.0 if tps is None else tps, batch_size=len(r.tokens))
+    text = TextStream(tok, stop)
+    text.feed(toks)
+    out = {"text": text.text(final=True), "tokens": toks, "stats": st}
+    if r.logprobs is not None:
+        out["logprobs"] = _logprob_records(tok, r.logprobs[j])
+    return out
 
 
 def load_pair_config(name_or_path: str) -> dict[str, Any]:

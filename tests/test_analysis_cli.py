@@ -27,6 +27,7 @@ from specjax.drafters.model import ModelDrafter
 from specjax.io.loading import Model
 from specjax.models import llama
 from specjax.core.sampling import SamplingParams
+from specjax.runtime.settings import DecodeSettings
 
 from conftest import tiny_config, tiny_model
 
@@ -276,7 +277,7 @@ def test_model_mode_tiny_models_json_fields(capsys, tmp_path):
     assert set(m["by_category"]) == {"qa", "math"}
     assert png.read_bytes()[:4] == b"\x89PNG"
     # the human rendering of the same report: markdown tables
-    from specjax.cli.analyze import render_models
+    from specjax.eval.report import render_models
 
     text = render_models(rep)
     assert "### Acceptance rate" in text and "recommended γ" in text and "| speedup (×) |" in text
@@ -290,6 +291,31 @@ def test_model_mode_tiny_models_json_fields(capsys, tmp_path):
     tgt = load_model(tdir)
     g = recommend_gamma(tgt, load_drafter(ddir, tgt), ["w3 w4 w5 w6 w7 w8 w9 w10"], gamma_max=2)
     assert isinstance(g, int) and g in (1, 2)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_measure_times_the_decoders_programs(dtype, tmp_path):
+    """Gate: measure and the decoder use the same cache dtype and buffer size (a test compares
+    the programs). measure_costs reports the target-cache dtype and buffer length it timed;
+    they equal those of the Program ``Decoder.prepare`` builds for the same prompt, for every
+    weight format (a bfloat16 target on CPU decodes with a float32 cache) and γ, also where
+    the context caps ``max_new_tokens``."""
+    from specjax.io.loading import load_model, save_model
+
+    path = save_model(tiny_model(seed=1, num_layers=1), str(tmp_path / "m"))
+    target = load_model(path, dtype=dtype)
+    drafter = ModelDrafter.from_model(load_model(path, dtype=dtype))
+    ctx = target.config.max_position_embeddings
+    for plen, mn in ((9, 12), (40, ctx)):  # the second is capped to the context
+        costs = measure.measure_costs(target, drafter, [2], prompt_len=plen, max_new_tokens=mn, repeats=1, warmup=1)
+        progs = measure.timed_programs(target, drafter, [0, 2], plen, mn)
+        for g in (0, 2):
+            prog, _ = Decoder(target, drafter if g else None, g).prepare([[3] * plen], max_new_tokens=mn)
+            assert (progs[g].cache_dtype, progs[g].buffer_len) == (prog.cache_dtype, prog.buffer_len)
+            assert (costs["cache_dtype"], costs["buffer_len"][g]) == (prog.cache_dtype, prog.buffer_len)
+    assert costs["cache_dtype"] == llama.kv_cache_dtype(target.dtype)
+    if jax.default_backend() == "cpu":
+        assert costs["cache_dtype"] == "float32"
 
 
 def test_progress_bars_on_stderr_only_on_a_terminal(monkeypatch, capsys):
@@ -330,8 +356,8 @@ def test_default_model_alpha_next_to_mean_accepted_tokens(default_model, truncat
              ("Translate to French: good morning", "translation"), ("Two plus two equals", "qa")]
     recs = measure.prompt_records([{"prompt": t, "category": c} for t, c in texts], default_model)
     assert max(len(r["ids"]) for r in recs) <= 32
-    run = measure.measure_speedup(default_model, truncated_drafter, recs, gamma, max_new_tokens=16,
-                                  batch_size=4, ignore_eos=True, autoregressive=False)
+    settings = DecodeSettings(max_new_tokens=16, batch_size=4, ignore_eos=True)
+    run = measure.measure_speedup(default_model, truncated_drafter, recs, gamma, settings, autoregressive=False)
     assert [len(t) for t in run["tokens"]] == [16] * 4
     al = measure.measure_alpha(default_model, truncated_drafter, recs, run["tokens"], batch_size=4)
     cmp = measure.compare(al["alpha"], gamma, run)

@@ -203,3 +203,40 @@ def test_split_keeps_the_listed_question_ids(tmp_path):
     ev = json.loads((resources.files("specjax.shipped_configs") / "spec_bench_split.json").read_text())["eval"]
     shipped.append({"prompt": "y", "question_id": ev[0], "category": "c"})
     assert [p["question_id"] for p in filter_split(shipped, "spec_bench_split.json")] == [ev[0]]
+
+
+def test_bench_request_keys_are_the_old_per_prompt_keys():
+    """bench's vectorized keys (``request_keys``, indexed by a batch's prompt indices, which
+    are not contiguous when categories interleave) equal the former per-prompt loop
+    ``fold_in(seed_key(seed), i)``, so benchmark results do not change."""
+    import jax
+    import numpy as np
+
+    from specjax.eval.bench import _Run, make_batches
+    from specjax.runtime.decoder import seed_key
+    from specjax.runtime.settings import DecodeSettings
+
+    prompts = [{"prompt": "w3", "category": c} for c in "abab ab"]
+    for seed in (0, 7, 2 ** 40 + 3):
+        run = _Run(prompts, DecodeSettings(seed=seed, batch_size=2), make_batches(prompts, 2))
+        for idx in run.batches:
+            old = jax.numpy.stack([jax.random.fold_in(seed_key(seed), i) for i in idx])
+            np.testing.assert_array_equal(np.asarray(run.keys[np.asarray(idx)]), np.asarray(old))
+
+
+def test_generate_text_settings_object_or_keywords(tiny_dir):
+    """``specjax.generate_text`` takes a DecodeSettings or the old keywords (same results);
+    both at once is an error naming the keyword."""
+    import specjax
+    from specjax.io.loading import load_model
+    from specjax.runtime.settings import DecodeSettings
+
+    target = load_model(tiny_dir)
+    texts = ["w5 w6 w7 w5 w6", "w10 w11 w12"]
+    kw = dict(max_new_tokens=5, temperature=0.8, top_k=20, seed=3, batch_size=1, ignore_eos=True)
+    a = specjax.generate_text(target, texts, **kw)
+    b = specjax.generate_text(target, texts, settings=DecodeSettings(**kw))
+    assert [r["tokens"] for r in a] == [r["tokens"] for r in b] and all(len(r["tokens"]) == 5 for r in a)
+    assert all(r["stats"]["tokens_per_s"] > 0 and r["stats"]["batch_size"] == 1 for r in b)
+    with pytest.raises(ValueError, match="seed"):
+        specjax.generate_text(target, texts, seed=4, settings=DecodeSettings(**kw))

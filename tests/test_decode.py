@@ -458,10 +458,9 @@ def test_request_keys():
 
 def test_prompt_buckets_are_geometric(tiny):
     """Prompts pad to the next power of two (≥ 32): lengths 1..1024 need 6 prompt shapes,
-    and the decoder's buffer (``Decoder.prepare``) is what ``measure.decode_buffer_len``
-    reports, so memory estimates match the programs that run."""
-    from specjax.runtime.decoder import prompt_bucket
-    from specjax.eval.measure import decode_buffer_len
+    and the decoder's buffer (``Decoder.prepare``) is what ``decode_buffer_len`` and
+    ``Decoder.program`` report, so memory estimates match the programs that run."""
+    from specjax.runtime.decoder import decode_buffer_len, prompt_bucket
 
     assert [prompt_bucket(n) for n in (1, 32, 33, 64, 65, 129, 1000)] == [32, 32, 64, 64, 128, 256, 1024]
     assert len({prompt_bucket(n) for n in range(1, 1025)}) == 6
@@ -471,6 +470,7 @@ def test_prompt_buckets_are_geometric(tiny):
         prog, args = dec.prepare([[3] * n], max_new_tokens=9)
         assert args[2].shape == (1, prompt_bucket(n))
         assert prog.buffer_len == decode_buffer_len(n, 9, 0)
+        assert dec.program(n, 9) == prog
 
 
 # --------------------------------------------------------------------------- distribution

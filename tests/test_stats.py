@@ -1,6 +1,6 @@
 """RunStats: the one statistics type (merge, derived figures)."""
 
-from specjax.eval.stats import RunStats
+from specjax.runtime.stats import RunStats
 
 
 def test_merge_and_derived_figures():

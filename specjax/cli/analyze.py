@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from specjax.eval import theory as analysis
+from specjax.eval.report import render_models  # noqa: F401  (the models-mode markdown; importable from here too)
 
 NUMBERS_GAMMA_MAX = 16
 MODEL_GAMMA_MAX = 8
@@ -181,75 +182,6 @@ def select_prompts(prompts: list[dict], categories: str | None, limit: int | Non
     return bench_select(prompts, categories, limit)
 
 
-def render_models(rep: dict) -> str:
-    st = rep["settings"]
-    al = rep["alpha"]
-    sampling = "greedy" if st["temperature"] == 0 else f"T={st['temperature']:g}, top-k {st['top_k']}, top-p {st['top_p']:g}"
-    out = [
-        f"## specjax analyze: target {rep['target']} + drafter {rep['drafter']}",
-        "",
-        f"{st['prompts']} prompts (median {st['median_prompt_tokens']} tokens), ≤ {st['max_new_tokens']} new tokens, "
-        f"{sampling}, batch {st['batch_size']}{', chat template' if st['chat'] else ''}",
-        "",
-        "### Acceptance rate α = E[Σ min(p, q)] along the target's own output",
-        "",
-    ]
-    cat_rows = [{"category": c, "prompts": v["prompts"], "positions": v["positions"], "alpha": v["alpha"]}
-                for c, v in sorted(al["by_category"].items())]
-    cat_rows.append({"category": "**all**", "prompts": st["prompts"], "positions": al["positions"], "alpha": al["alpha"]})
-    out.append(analysis.format_table(cat_rows))
-    if al["coverage"] < 1.0:
-        out.append(f"\nα counts positions with a proposal only: {al['coverage']:.1%} of positions had one.")
-    co = rep["costs"]
-    t1 = co["t_target_ms"][1] if 1 in co["t_target_ms"] else co["t_target_ms"]["1"]
-    out += ["", f"### Costs (batch {co['batch']}): t_target(1 token) = {t1:.2f} ms, "
-            f"c = {rep['c']:.4f} at the recommended γ = {rep['recommended_gamma']}", ""]
-    crow = []
-    for i, g in enumerate(range(1, len(rep["v"]) + 1)):
-        tt = co["t_target_ms"].get(g + 1, co["t_target_ms"].get(str(g + 1)))
-        td = co["t_draft_ms"].get(g, co["t_draft_ms"].get(str(g)))
-        crow.append({"gamma": g, "t_draft_ms": td if td is not None else "interp.", "c": rep["c_by_gamma"][i],
-                     "t_target_ms": tt if tt is not None else "interp.", "v": rep["v"][i]})
-    out.append(analysis.format_table(crow))
-    out += ["", f"### Predicted (α = {al['alpha']:.4f}, measured c(γ) and v(γ); textbook: v = 1)", "",
-            analysis.format_table(rep["table"]), "",
-            f"recommended γ = {rep['recommended_gamma']} (predicted speedup {rep['predicted_speedup']:.3f}×"
-            f"{'' if rep['speculation_pays'] else ': speculation does not pay with this drafter'}); "
-            f"textbook optimum γ = {rep['optimal_gamma_textbook']}; oracle bound 1/(1−α) = {rep['oracle_bound']:.3f}"]
-    for m in rep["measured"]:
-        out += ["", f"### Measured at γ = {m['gamma']} (real decode loop, interleaved with autoregressive)", ""]
-        rows = [
-            {"quantity": "tokens per target call", "predicted": m["expected_tokens"],
-             "measured": m["mean_accepted_tokens"], "difference": m["tokens_discrepancy"],
-             "note": "E(N) from α vs mean_accepted_tokens (acceptances are not independent)"},
-            {"quantity": "acceptance rate", "predicted": m["alpha"], "measured": m["acceptance_rate"],
-             "difference": m["acceptance_rate"] - m["alpha"], "note": "α (Σmin) vs accepted ÷ checked drafts"},
-            {"quantity": "speedup (×)", "predicted": m["predicted_speedup"], "measured": m["measured_speedup"],
-             "difference": m["predicted_speedup"] - m["measured_speedup"],
-             "note": f"relative error {m['speedup_relative_error']:+.1%}"},
-            {"quantity": "speedup, textbook v = 1", "predicted": m["predicted_speedup_textbook"],
-             "measured": m["measured_speedup"], "difference": m["predicted_speedup_textbook"] - m["measured_speedup"],
-             "note": ""},
-            {"quantity": "speedup from measured tokens/call", "predicted": m["predicted_speedup_from_measured_tokens"],
-             "measured": m["measured_speedup"],
-             "difference": m["predicted_speedup_from_measured_tokens"] - m["measured_speedup"],
-             "note": "mean_accepted_tokens ÷ (γc + v): the cost model alone"},
-        ]
-        if "predicted_speedup_coverage_adjusted" in m:
-            rows.append({"quantity": "speedup, coverage-adjusted", "predicted": m["predicted_speedup_coverage_adjusted"],
-                         "measured": m["measured_speedup"],
-                         "difference": m["predicted_speedup_coverage_adjusted"] - m["measured_speedup"],
-                         "note": f"plain steps where nothing is proposed ({m['coverage']:.0%} proposed)"})
-        out.append(analysis.format_table(rows))
-        out.append(f"\ntokens/s: speculative {m['tokens_per_s_spec']:.2f}, autoregressive {m['tokens_per_s_ar']:.2f}"
-                   + ("" if m.get("ar_tokens_match") is None else
-                      f"; greedy outputs identical: {m['ar_tokens_match']}"))
-        out += ["", analysis.format_table([
-            {"category": c, "alpha": v["alpha"], "E(N)": v["expected_tokens"],
-             "mean_accepted_tokens": v["mean_accepted_tokens"]} for c, v in sorted(m["by_category"].items())])]
-    return "\n".join(out)
-
-
 def _plot(rep: dict, path: str) -> str:
     if rep.get("mode") == "numbers":
         a, c = rep["alpha"], rep["c"]
@@ -318,6 +250,7 @@ def cmd_analyze(args) -> int:
 def run_models(args) -> dict:
     from specjax.cli.common import collect_prompts, load_target_and_drafter, resolve
     from specjax.eval import measure
+    from specjax.runtime.settings import DecodeSettings
 
     s = resolve(args, need_draft="analyze with models needs one drafter: --draft ngram[:N] | PATH_OR_ID "
                                   "(or give numbers only: --alpha A --c C)")
@@ -334,10 +267,11 @@ def run_models(args) -> dict:
     prompts = select_prompts(collect_prompts(args), args.categories, args.limit)
     target, drafter = load_target_and_drafter(s)
     log = (lambda m: print(f"specjax analyze: {m}", file=sys.stderr, flush=True))
+    settings = DecodeSettings(max_new_tokens=s["max_new_tokens"], temperature=s["temperature"], top_k=s["top_k"],
+                              top_p=s["top_p"], seed=args.seed, batch_size=args.batch_size,
+                              ignore_eos=args.ignore_eos)
     rep = measure.analyze_pair(
-        target, drafter, prompts, gamma_max=gmax, gamma=gamma, chat=bool(s["chat"]),
-        max_new_tokens=s["max_new_tokens"], temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"],
-        seed=args.seed, batch_size=args.batch_size, ignore_eos=args.ignore_eos, repeats=args.repeats,
+        target, drafter, prompts, settings, gamma_max=gmax, gamma=gamma, chat=bool(s["chat"]), repeats=args.repeats,
         timing_repeats=args.timing_repeats, log=log, progress=not args.no_progress,
     )
     rep["mode"] = "models"

@@ -9,9 +9,10 @@ import sys
 
 from specjax.cli.common import UsageError, add_model_args, parse_gamma, resolve
 from specjax.eval.bench import (
-    _json_default, check_out_path, check_writable, filter_split, markdown_tables, run_bench, select_prompts,
-    split_categories, write_json,
+    _json_default, check_out_path, check_writable, filter_split, run_bench, select_prompts, split_categories,
+    write_json,
 )
+from specjax.eval.report import markdown_tables
 
 
 def register_cli(subparsers) -> None:
@@ -51,6 +52,7 @@ def register_cli(subparsers) -> None:
 
 def cmd_bench(args) -> int:
     from specjax.api import load_pair_config, read_prompts
+    from specjax.runtime.settings import DecodeSettings
 
     check_out_path(args.out, args.force)
     if args.warmup < 0:
@@ -83,11 +85,12 @@ def cmd_bench(args) -> int:
 
     prompts = select_prompts(filter_split(read_prompts(args.prompts), args.split), args.categories, args.limit)
     check_writable(args.out)  # before the benchmark runs, not after
+    settings = DecodeSettings(max_new_tokens=s["max_new_tokens"], temperature=s["temperature"], top_k=s["top_k"],
+                              top_p=s["top_p"], seed=args.seed, batch_size=args.batch_size,
+                              ignore_eos=args.ignore_eos)
     results = run_bench(
-        prompts, model=s["model"], drafts=drafts, gammas=gammas, dtypes=dtypes, draft_dtype=draft_dtype,
-        temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"], seed=args.seed,
-        batch_size=args.batch_size, max_new_tokens=s["max_new_tokens"], chat=chat, ignore_eos=args.ignore_eos,
-        warmup=args.warmup, mesh=args.mesh, progress=not args.no_progress,
+        prompts, settings, model=s["model"], drafts=drafts, gammas=gammas, dtypes=dtypes, draft_dtype=draft_dtype,
+        chat=chat, warmup=args.warmup, mesh=args.mesh, progress=not args.no_progress,
     )
     results["config"]["prompts_file"] = os.path.abspath(args.prompts)
     results["config"]["categories"] = split_categories(args.categories)

@@ -41,6 +41,12 @@ import sys
 import time
 from typing import Any, Iterable, Sequence
 
+import numpy as np
+
+from specjax.eval.report import markdown_tables  # noqa: F401  (re-exported: its home was here)
+from specjax.runtime.stats import RunStats
+from specjax.runtime.settings import DecodeSettings
+
 BANDWIDTH_FORMULA = (
     "bandwidth_gb_s = sum over batches of (batch_target_calls * target_weight_bytes + "
     "batch_draft_steps * drafter_weight_bytes) / decode_s / 1e9; batch_*: the largest per-row count in "
@@ -276,36 +282,31 @@ class MethodSpec:
 def aggregate(batches: Iterable[dict], spec: MethodSpec) -> dict:
     """Summary of batch records: each ``{"decode_s", "prefill_s", "wall_s", "calls",
     "draft_steps", "rows": [{"new_tokens", "stats": {"target_calls", "accepted_tokens",
-    "checked_tokens"}}]}`` (see the module docstring for the definitions)."""
-    new = calls = acc = chk = n = 0
-    dec = pre = wall = 0.0
+    "checked_tokens", ...}}]}`` (see the module docstring for the definitions), the counters
+    pooled as :class:`RunStats` (a batch's seconds counted once)."""
+    total = RunStats()
+    wall = 0.0
     bytes_read = 0
     for b in batches:
-        dec += b["decode_s"]
-        pre += b["prefill_s"]
+        rows = [dict(r["stats"], new_tokens=r["new_tokens"]) for r in b["rows"]]
+        total += RunStats.from_batch(rows, decode_s=b["decode_s"], prefill_s=b["prefill_s"])
         wall += b["wall_s"]
         bytes_read += b["calls"] * spec.target_bytes + b["draft_steps"] * spec.drafter_bytes
-        for r in b["rows"]:
-            n += 1
-            new += r["new_tokens"]
-            st = r["stats"]
-            calls += st["target_calls"]
-            acc += st.get("accepted_tokens") or 0
-            chk += st.get("checked_tokens") or 0
     drafting = spec.drafter is not None
+    dec = total.decode_s
     return {
-        "tokens_per_s": new / dec if dec > 0 else None,
+        "tokens_per_s": total.tokens_per_s,
         "speedup": None,
         "speedup_decode_time": None,
-        "mean_accepted_tokens": new / calls if calls else None,
-        "acceptance_rate": (acc / chk if chk else 0.0) if drafting else None,
-        "new_tokens": new,
-        "target_calls": calls,
-        "accepted_tokens": acc if drafting else None,
-        "checked_tokens": chk if drafting else None,
-        "prompts": n,
+        "mean_accepted_tokens": total.mean_accepted_tokens,
+        "acceptance_rate": total.acceptance_rate if drafting else None,
+        "new_tokens": total.new_tokens,
+        "target_calls": total.target_calls,
+        "accepted_tokens": total.accepted_tokens if drafting else None,
+        "checked_tokens": total.checked_tokens if drafting else None,
+        "prompts": total.rows,
         "decode_s": dec,
-        "prefill_s": pre,
+        "prefill_s": total.prefill_s,
         "wall_s": wall,
         "bandwidth_gb_s": bytes_read / dec / 1e9 if dec > 0 else None,
         "bytes_read": bytes_read,
@@ -351,46 +352,6 @@ def summarize(specs: Sequence[MethodSpec], batch_records: dict[str, list[dict]],
             mine["speedup"] = _ratio(mine["tokens_per_s"], ref["tokens_per_s"])
             mine["speedup_decode_time"] = _ratio(ref["decode_s"], mine["decode_s"])
     return out
-
-
-def _f(x, fmt="{:.2f}", dash="–"):
-    return dash if x is None else fmt.format(x)
-
-
-def markdown_tables(results: dict) -> str:
-    """An overall table (one row per method) and a per-category table (tokens/s, speedup, τ)."""
-    methods = results["methods"]
-    lines = [
-        "| method | tokens/s | speedup | speedup (decode time) | τ tokens/call | acceptance | new tokens "
-        "| decode s | wall s | GB/s | compile s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for name, m in methods.items():
-        o = m["overall"]
-        lines.append(
-            f"| {name} | {_f(o['tokens_per_s'], '{:.1f}')} | {_f(o['speedup'], '{:.2f}×')} "
-            f"| {_f(o['speedup_decode_time'], '{:.2f}×')} | {_f(o['mean_accepted_tokens'])} "
-            f"| {_f(o['acceptance_rate'], '{:.3f}')} | {o['new_tokens']} | {_f(o['decode_s'], '{:.2f}')} "
-            f"| {_f(o['wall_s'], '{:.2f}')} | {_f(o['bandwidth_gb_s'], '{:.1f}')} | {_f(m.get('compile_s'), '{:.1f}')} |"
-        )
-    cats: list[str] = []
-    for m in methods.values():
-        for c in m["per_category"]:
-            if c not in cats:
-                cats.append(c)
-    if cats:
-        names = list(methods)
-        lines += ["", "Per category: tokens/s · speedup · τ", "",
-                  "| category | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
-        for c in cats:
-            cells = []
-            for n in names:
-                v = methods[n]["per_category"].get(c)
-                cells.append("–" if v is None else
-                             f"{_f(v['tokens_per_s'], '{:.1f}')} · {_f(v['speedup'], '{:.2f}×')} · "
-                             f"{_f(v['mean_accepted_tokens'])}")
-            lines.append(f"| {c} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 def method_name(label: str | None, gamma: int | None, dtype: str, multi_dtype: bool) -> str:
@@ -440,20 +401,14 @@ def _batch_record(method: str, category: str, bi: int, rows_meta: list[dict], re
 
 def run_bench(
     prompts: list[dict],
+    settings: DecodeSettings | None = None,
     *,
     model: str | None = None,
     drafts: Sequence[str] = ("ngram",),
     gammas: Sequence[int] = (4,),
     dtypes: Sequence[str] = ("float32",),
     draft_dtype: str | None = None,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    seed: int = 0,
-    batch_size: int = 1,
-    max_new_tokens: int = 128,
     chat: bool = True,
-    ignore_eos: bool = False,
     warmup: int = 1,
     mesh=None,
     progress: bool = True,
@@ -461,144 +416,175 @@ def run_bench(
 ) -> dict:
     """Run the benchmark; returns ``{"config", "methods", "prompts"}`` (see module docstring).
 
-    ``prompts``: records ``{"prompt", "question_id", "category"}`` (:func:`specjax.api.read_prompts`).
+    Args:
+      prompts: records ``{"prompt", "question_id", "category"}`` (:func:`specjax.api.read_prompts`).
+      settings: sampling, ``max_new_tokens``, seed, ``batch_size`` (prompts per batch, never
+        mixing categories; ``None``: a category at once), ``ignore_eos`` (default
+        ``DecodeSettings(batch_size=1)``). Prompt i uses request key ``fold_in(seed_key(seed), i)``.
+      drafts / gammas / dtypes: the methods (every drafter × γ, per weight format).
+      warmup: untimed runs of the first batch per method.
+    Raises:
+      ValueError: two methods with one name; a drafter that cannot be loaded.
     """
-    import jax
     from tqdm import tqdm
 
-    from specjax.api import encode_prompts
-    from specjax.runtime.decoder import Decoder, seed_key
-    from specjax.io.loading import load_model
-    from specjax.models import llama
-    from specjax.core.sampling import SamplingParams
-
+    settings = DecodeSettings(batch_size=1) if settings is None else settings
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     drafts = [d for d in dict.fromkeys(drafts) if d not in (None, "none")]
     gammas = list(dict.fromkeys(int(g) for g in gammas))
     dtypes = list(dict.fromkeys(dtypes))
-    multi = len(dtypes) > 1
-    batches = make_batches(prompts, batch_size)
     started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     t_all = time.perf_counter()
-
-    specs: list[MethodSpec] = []
-    records: dict[str, list[dict]] = {}
-    prompt_records: list[dict] = []
-    weight_bytes: dict[str, dict] = {}
-    model_name = None
-    total_steps = len(batches) * len(dtypes) * (1 + len(drafts) * len(gammas))
+    run = _Run(prompts, settings, make_batches(prompts, settings.batch_size or len(prompts)))
     # disable=None: tqdm shows the bar only when stderr is a terminal (no \r lines in logs)
-    bar = tqdm(total=total_steps, desc="bench", unit="batch", file=sys.stderr, disable=None if progress else True,
-               dynamic_ncols=True)
+    bar = tqdm(total=len(run.batches) * len(dtypes) * (1 + len(drafts) * len(gammas)), desc="bench", unit="batch",
+               file=sys.stderr, disable=None if progress else True, dynamic_ncols=True)
     try:
         for dtype in dtypes:
-            ddtype = draft_dtype or dtype
             log(f"specjax bench: loading target ({dtype})")
-            target = load_model(model, dtype=dtype)
-            model_name = target.name
-            ids = encode_prompts(target, [p["prompt"] for p in prompts], chat)
-            tbytes = llama.param_bytes(target.params)
-            weight_bytes[dtype] = {"target": tbytes}
-            # methods of this dtype: (spec, decoder, draft forward steps per round)
-            methods: list[tuple[MethodSpec, Any, int]] = []
-            s = MethodSpec(method_name(None, None, dtype, multi), None, None, dtype, tbytes)
-            methods.append((s, Decoder(target, None, mesh=mesh), 0))
-            for dspec in drafts:
-                drafter = _load_drafter(dspec, target, ddtype)
-                label = _drafter_label(dspec, drafter)
-                params = getattr(drafter, "params", None)
-                dbytes = llama.param_bytes(params) if params is not None else 0
-                weight_bytes[dtype][label] = dbytes
-                for g in gammas:
-                    s = MethodSpec(method_name(label, g, dtype, multi), label, g, dtype, tbytes, dbytes,
-                                   extra={"draft_spec": dspec, "draft_dtype": ddtype})
-                    methods.append((s, Decoder(target, drafter, g, mesh=mesh), g if dbytes else 0))
-            for s, _, _ in methods:
-                if s.name in records:
-                    raise ValueError(f"two methods are both named {s.name!r}; give distinct --draft values")
-                records[s.name] = []
-                specs.append(s)
-
-            def gen(dec, bi):
-                idx = batches[bi]
-                sp = SamplingParams.create(len(idx), temperature, top_k, top_p)
-                keys = jax.numpy.stack([jax.random.fold_in(seed_key(seed), i) for i in idx])
-                t0 = time.perf_counter()
-                res = dec.generate([ids[i] for i in idx], max_new_tokens=max_new_tokens, sampling=sp, keys=keys,
-                                   eos_ids=[] if ignore_eos else None)
-                return res, time.perf_counter() - t0
-
-            # warm-up: compile + first runs on the first batch, untimed
-            for s, dec, _ in methods:
-                for _ in range(max(0, warmup)):
-                    bar.set_postfix_str(f"warm-up {s.name}")
-                    res, wall = gen(dec, 0)
-                    s.compile_s += res.compile_s
-                    s.warmup_s += max(0.0, wall - res.compile_s)
-            # timed: methods interleaved per batch
-            for bi, idx in enumerate(batches):
-                cat = prompts[idx[0]]["category"]
-                ar_tokens = None
-                for s, dec, steps in methods:
-                    bar.set_postfix_str(s.name)
-                    res, wall = gen(dec, bi)
-                    s.compile_s += res.compile_s
-                    rec = _batch_record(s.name, cat, bi, [prompts[i] for i in idx], res, wall, steps)
-                    records[s.name].append(rec)
-                    if s.drafter is None:
-                        ar_tokens = res.tokens
-                    for j, row in enumerate(rec["rows"]):
-                        same = None
-                        if temperature == 0 and s.drafter is not None and ar_tokens is not None:
-                            same = row["tokens"] == ar_tokens[j]
-                        prompt_records.append({
-                            "method": s.name, "question_id": row["question_id"], "category": row["category"],
-                            "batch": bi, "batch_size": len(idx), "prompt_tokens": len(ids[idx[j]]),
-                            "new_tokens": row["new_tokens"], "decode_s": res.decode_s, "prefill_s": res.prefill_s,
-                            "tokens_per_s": row["new_tokens"] / res.decode_s if res.decode_s > 0 else None,
-                            "same_as_ar": same, "stats": row["stats"],
-                        })
-                    bar.update(1)
-            del methods, target
+            run.bench_dtype(model, dtype, draft_dtype or dtype, drafts, gammas, len(dtypes) > 1, chat, warmup,
+                            mesh, bar)
     finally:
         bar.close()
-    for recs in records.values():
+    for recs in run.records.values():
         for b in recs:
             for r in b["rows"]:
                 r.pop("tokens", None)
-    base = baselines(specs, multi)
-    summary = summarize(specs, records, base)
-    mismatches = sum(1 for r in prompt_records if r["same_as_ar"] is False)
+    base = baselines(run.specs, len(dtypes) > 1)
+    config = _bench_config(prompts, settings, run, base, started=started, total_s=time.perf_counter() - t_all,
+                           model=model, drafts=drafts, gammas=gammas, dtypes=dtypes, draft_dtype=draft_dtype,
+                           chat=chat, warmup=warmup)
+    return {"config": config, "methods": summarize(run.specs, run.records, base), "prompts": run.prompt_records}
+
+
+class _Run:
+    """The state of one :func:`run_bench`: methods, batch records and per-prompt records."""
+
+    def __init__(self, prompts: list[dict], settings: DecodeSettings, batches: list[list[int]]):
+        from specjax.runtime.decoder import request_keys
+
+        self.prompts, self.settings, self.batches = prompts, settings, batches
+        # prompt i's key is fold_in(seed_key(seed), i) whatever its batch (one vectorized fold_in)
+        self.keys = request_keys(settings.seed, len(prompts))
+        self.specs: list[MethodSpec] = []
+        self.records: dict[str, list[dict]] = {}
+        self.prompt_records: list[dict] = []
+        self.weight_bytes: dict[str, dict] = {}
+        self.model_name = None
+
+    def bench_dtype(self, model, dtype, ddtype, drafts, gammas, multi, chat, warmup, mesh, bar) -> None:
+        """Load the target in ``dtype``, then warm up and time every method on every batch."""
+        from specjax.api import encode_prompts
+        from specjax.io.loading import load_model
+
+        target = load_model(model, dtype=dtype)
+        self.model_name = target.name
+        ids = encode_prompts(target, [p["prompt"] for p in self.prompts], chat)
+        methods = self._methods(target, dtype, ddtype, drafts, gammas, multi, mesh)
+        for s, dec, _ in methods:  # warm-up: compile + first runs on the first batch, untimed
+            for _ in range(max(0, warmup)):
+                bar.set_postfix_str(f"warm-up {s.name}")
+                res, wall = self._generate(dec, ids, 0)
+                s.compile_s += res.compile_s
+                s.warmup_s += max(0.0, wall - res.compile_s)
+        for bi in range(len(self.batches)):  # timed: methods interleaved per batch
+            self._timed_batch(methods, ids, bi, bar)
+
+    def _methods(self, target, dtype, ddtype, drafts, gammas, multi, mesh) -> list[tuple[MethodSpec, Any, int]]:
+        """``(spec, decoder, drafter forward steps per round)`` of ``ar`` and every drafter × γ."""
+        from specjax.models import llama
+        from specjax.runtime.decoder import Decoder
+
+        tbytes = llama.param_bytes(target.params)
+        self.weight_bytes[dtype] = {"target": tbytes}
+        methods = [(MethodSpec(method_name(None, None, dtype, multi), None, None, dtype, tbytes),
+                    Decoder(target, None, mesh=mesh), 0)]
+        for dspec in drafts:
+            drafter = _load_drafter(dspec, target, ddtype)
+            label = _drafter_label(dspec, drafter)
+            params = getattr(drafter, "params", None)
+            dbytes = llama.param_bytes(params) if params is not None else 0
+            self.weight_bytes[dtype][label] = dbytes
+            for g in gammas:
+                s = MethodSpec(method_name(label, g, dtype, multi), label, g, dtype, tbytes, dbytes,
+                               extra={"draft_spec": dspec, "draft_dtype": ddtype})
+                methods.append((s, Decoder(target, drafter, g, mesh=mesh), g if dbytes else 0))
+        for s, _, _ in methods:
+            if s.name in self.records:
+                raise ValueError(f"two methods are both named {s.name!r}; give distinct --draft values")
+            self.records[s.name] = []
+            self.specs.append(s)
+        return methods
+
+    def _generate(self, dec, ids, bi: int):
+        """Decode batch ``bi``; returns ``(GenerationResult, wall seconds)``."""
+        idx = self.batches[bi]
+        st = self.settings
+        t0 = time.perf_counter()
+        res = dec.generate([ids[i] for i in idx], max_new_tokens=st.max_new_tokens, sampling=st.sampling(len(idx)),
+                           keys=self.keys[np.asarray(idx)], eos_ids=st.eos_ids())
+        return res, time.perf_counter() - t0
+
+    def _timed_batch(self, methods, ids, bi: int, bar) -> None:
+        """Run every method on batch ``bi``: a batch record each, and a record per prompt."""
+        idx = self.batches[bi]
+        cat = self.prompts[idx[0]]["category"]
+        ar_tokens = None
+        for s, dec, steps in methods:
+            bar.set_postfix_str(s.name)
+            res, wall = self._generate(dec, ids, bi)
+            s.compile_s += res.compile_s
+            rec = _batch_record(s.name, cat, bi, [self.prompts[i] for i in idx], res, wall, steps)
+            self.records[s.name].append(rec)
+            if s.drafter is None:
+                ar_tokens = res.tokens
+            for j, row in enumerate(rec["rows"]):
+                same = None
+                if self.settings.temperature == 0 and s.drafter is not None and ar_tokens is not None:
+                    same = row["tokens"] == ar_tokens[j]
+                self.prompt_records.append({
+                    "method": s.name, "question_id": row["question_id"], "category": row["category"],
+                    "batch": bi, "batch_size": len(idx), "prompt_tokens": len(ids[idx[j]]),
+                    "new_tokens": row["new_tokens"], "decode_s": res.decode_s, "prefill_s": res.prefill_s,
+                    "tokens_per_s": row["new_tokens"] / res.decode_s if res.decode_s > 0 else None,
+                    "same_as_ar": same, "stats": row["stats"],
+                })
+            bar.update(1)
+
+
+def _bench_config(prompts, settings: DecodeSettings, run: _Run, base: dict, **kw) -> dict:
+    """The ``config`` section of :func:`run_bench`'s results."""
+    mismatches = sum(1 for r in run.prompt_records if r["same_as_ar"] is False)
     cats: dict[str, int] = {}
     for p in prompts:
         cats[p["category"]] = cats.get(p["category"], 0) + 1
-    config = {
+    dtypes = kw["dtypes"]
+    return {
         "library": "specjax",
-        "started_at": started,
-        "total_s": time.perf_counter() - t_all,
-        "model": model or "default",
-        "model_name": model_name,
-        "drafts": list(drafts),
-        "gammas": gammas,
+        "started_at": kw["started"],
+        "total_s": kw["total_s"],
+        "model": kw["model"] or "default",
+        "model_name": run.model_name,
+        "drafts": list(kw["drafts"]),
+        "gammas": kw["gammas"],
         "dtypes": dtypes,
         "dtype": dtypes[0] if len(dtypes) == 1 else dtypes,
-        "draft_dtype": draft_dtype,
-        "temperature": temperature,
-        "top_k": top_k,
-        "top_p": top_p,
-        "seed": seed,
-        "batch_size": batch_size,
-        "max_new_tokens": max_new_tokens,
-        "chat": chat,
-        "ignore_eos": ignore_eos,
-        "warmup": warmup,
+        "draft_dtype": kw["draft_dtype"],
+        "temperature": settings.temperature,
+        "top_k": settings.top_k,
+        "top_p": settings.top_p,
+        "seed": settings.seed,
+        "batch_size": settings.batch_size,
+        "max_new_tokens": settings.max_new_tokens,
+        "chat": kw["chat"],
+        "ignore_eos": settings.ignore_eos,
+        "warmup": kw["warmup"],
         "num_prompts": len(prompts),
         "prompts_per_category": cats,
-        "weight_bytes": weight_bytes,
+        "weight_bytes": run.weight_bytes,
         "baselines": base,
-        "greedy_mismatches_vs_ar": mismatches if temperature == 0 else None,
+        "greedy_mismatches_vs_ar": mismatches if settings.temperature == 0 else None,
         "bandwidth_formula": BANDWIDTH_FORMULA,
         "timing": TIMING_NOTE,
         "machine": machine_info(),
     }
-    return {"config": config, "methods": summary, "prompts": prompt_records}

@@ -202,6 +202,35 @@ class Decoder:
             lim = min(lim, self.drafter.config.max_position_embeddings)
         return lim
 
+    @property
+    def cache_dtype(self) -> str:
+        """The target's KV-cache dtype in this Decoder's programs (``"float32"`` or ``"bfloat16"``;
+        :func:`specjax.models.llama.kv_cache_dtype` of the target's weight format)."""
+        return kv_cache_dtype(self.target.dtype)
+
+    def _program(self, prompt_len: int, max_new_tokens: int, logprobs: int | None) -> Program:
+        """The Program for prompts of up to ``prompt_len`` tokens and rows of up to
+        ``max_new_tokens`` new tokens (already capped to the context)."""
+        buf = decode_buffer_len(int(prompt_len), int(max_new_tokens), self.gamma, self.prompt_bucket)
+        return Program(self.target.config, self.target.graphdef, self.drafter, self.gamma, buf, self.cache_dtype,
+                       -1 if logprobs is None else int(logprobs))
+
+    def program(self, prompt_len: int, max_new_tokens: int = 128, logprobs: int | None = None) -> Program:
+        """The decode :class:`Program` this Decoder runs for prompts of ``prompt_len`` tokens:
+        its ``buffer_len`` (token/KV slots) and ``cache_dtype`` are what :meth:`prepare` builds
+        (``max_new_tokens`` is capped to the context the same way). For measuring the
+        programs that run (:mod:`specjax.eval.measure`) without decoding anything.
+
+        Raises:
+          ValueError: ``prompt_len < 1`` or not shorter than the context, ``max_new_tokens < 1``.
+        """
+        ctx_limit = self.context_limit()
+        if not 1 <= int(prompt_len) < ctx_limit:
+            raise ValueError(f"prompt_len must be in [1, {ctx_limit}) (the model's context), got {prompt_len!r}")
+        if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        return self._program(int(prompt_len), min(int(max_new_tokens), ctx_limit - int(prompt_len)), logprobs)
+
     def prepare(self, prompts, *, max_new_tokens=128, sampling: SamplingParams | None = None,
                 seed=0, keys=None, eos_ids=None, seed_offset: int = 0, stop_token_ids=None,
                 logprobs: int | None = None):
@@ -222,7 +251,6 @@ class Decoder:
         mn = np.broadcast_to(np.asarray(max_new_tokens, np.int64), (b,))
         mn = np.minimum(mn, ctx_limit - plens).astype(np.int32)  # the context limit, per row
         p_bucket = prompt_bucket(int(plens.max()), self.prompt_bucket)
-        buf = decode_buffer_len(int(plens.max()), int(mn.max()), self.gamma, self.prompt_bucket)
         prompt = np.zeros((b, p_bucket), np.int32)
         for i, p in enumerate(prompts):
             prompt[i, : len(p)] = p
@@ -232,9 +260,7 @@ class Decoder:
             keys = request_keys(seed, b, seed_offset)
         eos_arr = _stop_ids_array(list(cfg.eos_token_ids if eos_ids is None else eos_ids), stop_token_ids, b,
                                   cfg.vocab_size)
-        cache_dtype = kv_cache_dtype(self.target.dtype)
-        prog = Program(cfg, self.target.graphdef, self.drafter, self.gamma, buf, cache_dtype,
-                       -1 if logprobs is None else int(logprobs))
+        prog = self._program(int(plens.max()), int(mn.max()), logprobs)
         dparams = None if self.drafter is None else self.drafter.params
         args = (self.target.params, dparams, jnp.asarray(prompt), jnp.asarray(plens), jnp.asarray(mn),
                 jnp.asarray(eos_arr), jnp.asarray(keys), sampling)

@@ -1,6 +1,6 @@
 """``specjax distill --bench DRAFTER``: the real decode loop on the evaluation split —
 autoregressive vs a distilled drafter at each γ, ``ngram`` and the untrained truncated
-target — with the statistics of :class:`specjax.eval.stats.RunStats`."""
+target — with the statistics of :class:`specjax.runtime.stats.RunStats`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import os
 from collections import Counter
 
-from specjax.eval.stats import RunStats
+from specjax.runtime.stats import RunStats
 from specjax.train.common import DistillError, log
 from specjax.train.options import check_args, check_out_dir, parse_gammas
 from specjax.train.records import encode_record, read_records, read_split

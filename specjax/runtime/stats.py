@@ -9,7 +9,8 @@ Definitions (Leviathan et al. 2023 §3; Spec-Bench, Xia et al. 2024):
 * ``tokens_per_s`` = new tokens ÷ decode seconds (prefill and compile excluded).
 
 Per-row counters come from :func:`specjax.runtime.decoder.row_stats` (they count only
-emitted tokens); this module only adds them up.
+emitted tokens); this module only adds them up. It lives in the runtime layer so that every
+layer above it (``specjax.api`` included) can use it; :mod:`specjax.runtime.stats` re-exports it.
 """
 
 from __future__ import annotations
