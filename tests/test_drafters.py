@@ -130,7 +130,7 @@ def test_eagle_int8_format_and_head_orientation():
     q = eagle.quantize_params(params)
     assert q["train"]["fc"].dtype == jnp.int8 and q["frozen"]["head"].dtype == jnp.int8
     assert all(q["train"]["layer"][k].dtype == jnp.int8 and k + "_scale" in q["train"]["layer"]
-               for k in eagle.LAYER_MATMULS)
+               for k in eagle.layer_matmuls())
     assert params["train"]["fc"].dtype == jnp.float32  # the float32 parameters are not touched
     d = cfg.hidden_size
     feats = jax.random.normal(jax.random.PRNGKey(1), (2, 3, d))

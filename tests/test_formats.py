@@ -42,7 +42,7 @@ def test_parameter_dtypes(fmt):
         elif base.endswith("_scale") or "norm" in base or base.startswith("b"):
             assert x.dtype == jnp.float32, name
         else:
-            assert base in llama.MATMUL_WEIGHTS and x.dtype == jnp.int8, name
+            assert base in llama.matmul_weights() and x.dtype == jnp.int8, name
     if fmt == "int8":
         assert "embed_scale" in leaves and "layers.0.wq_scale" in leaves
 

@@ -61,7 +61,22 @@ from specjax.core.sampling import sample
 
 COPY_KEYS = ("copy_w", "copy_b")  # the copy term's parameters (present iff copy_ngram > 0)
 TRAINABLE = ("fc", "fc_b", "layer", "out_norm") + COPY_KEYS
-LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+
+
+def block_weights() -> tuple[llama.WeightSpec, ...]:
+    """The drafter block's weights: the per-layer entries of :data:`specjax.models.llama.WEIGHTS`
+    every target block has (no ``when`` condition; no biases), in table order."""
+    return tuple(s for s in llama.WEIGHTS if s.per_layer and s.when is None)
+
+
+def layer_keys() -> tuple[str, ...]:
+    """Names of the block's weights (``attn_norm``, ``wq``, …, ``w_down``)."""
+    return tuple(s.name for s in block_weights())
+
+
+def layer_matmuls() -> tuple[str, ...]:
+    """Names of the block's matrices (quantized in the int8 format)."""
+    return tuple(s.name for s in block_weights() if s.quant_axis is not None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,20 +132,13 @@ def init_params(cfg: EagleConfig, seed: int = 0, target_final_norm=None) -> dict
     """Random trainable parameters (N(0, 0.02); norms 1; the output norm copies the
     target's final norm when given, so f lives where the target's h does)."""
     l = cfg.layer
-    d, f = l.hidden_size, l.intermediate_size
-    ks = jax.random.split(jax.random.PRNGKey(seed), 8)
+    d = l.hidden_size
+    specs = block_weights()
+    normal = [s.name for s in specs if s.init == "normal"]
+    ks = jax.random.split(jax.random.PRNGKey(seed), 1 + len(normal))
     n = lambda k, s: 0.02 * jax.random.normal(k, s, jnp.float32)
-    layer = {
-        "attn_norm": jnp.ones((d,), jnp.float32),
-        "wq": n(ks[1], (d, l.num_heads * l.head_dim)),
-        "wk": n(ks[2], (d, l.num_kv_heads * l.head_dim)),
-        "wv": n(ks[3], (d, l.num_kv_heads * l.head_dim)),
-        "wo": n(ks[4], (l.num_heads * l.head_dim, d)),
-        "mlp_norm": jnp.ones((d,), jnp.float32),
-        "w_gate": n(ks[5], (d, f)),
-        "w_up": n(ks[6], (d, f)),
-        "w_down": n(ks[7], (f, d)),
-    }
+    layer = {s.name: llama.init_weight(s, l, ks[1 + normal.index(s.name)] if s.name in normal else None)
+             for s in specs}
     out_norm = jnp.ones((d,), jnp.float32) if target_final_norm is None else jnp.asarray(target_final_norm, jnp.float32)
     tp = {"fc": n(ks[0], (2 * d, d)), "fc_b": jnp.zeros((d,), jnp.float32), "layer": layer, "out_norm": out_norm}
     tp.update(init_copy_params(cfg))
@@ -193,27 +201,10 @@ def forward(cfg: EagleConfig, params: dict, feats, tokens, positions, cache: lla
     """
     l = cfg.layer
     tp, fz = params["train"], params["frozen"]
-    lp = tp["layer"]
-    b, t = tokens.shape
-    hd = l.head_dim
     e = jnp.take(fz["embed"], tokens, axis=0).astype(jnp.float32)
     x = llama.dense(jnp.concatenate([feats.astype(jnp.float32), e], axis=-1), tp["fc"], tp["fc_b"],
                     tp.get("fc_scale"))
-    inv_freq = jnp.asarray(l.rope_inv_freq())
-    lin = lambda a, name: llama.dense(a, lp[name], scale=lp.get(name + "_scale"))
-    z = llama.rms_norm(x, lp["attn_norm"], l.rms_norm_eps)
-    q = lin(z, "wq").reshape(b, t, l.num_heads, hd)
-    k = lin(z, "wk").reshape(b, t, l.num_kv_heads, hd)
-    v = lin(z, "wv").reshape(b, t, l.num_kv_heads, hd)
-    q = llama.rope(q, positions, inv_freq)
-    k = llama.rope(k, positions, inv_freq)
-    starts = positions[:, 0]
-    kc = llama._write(cache.k[0], k.transpose(0, 2, 1, 3), starts)
-    vc = llama._write(cache.v[0], v.transpose(0, 2, 1, 3), starts)
-    a = llama._attention(q.astype(kc.dtype), kc, vc, positions, l)
-    x = x + lin(a, "wo")
-    z = llama.rms_norm(x, lp["mlp_norm"], l.rms_norm_eps)
-    x = x + lin(jax.nn.silu(lin(z, "w_gate")) * lin(z, "w_up"), "w_down")
+    x, kc, vc = llama.decoder_block(tp["layer"], x, positions, cache.k[0], cache.v[0], l)
     f = llama.rms_norm(x, tp["out_norm"], l.rms_norm_eps)
     return f, llama.KVCache(k=[kc], v=[vc], lengths=cache.lengths)
 
@@ -240,7 +231,6 @@ def sub_logits(params: dict, f) -> jax.Array:
 
 
 SMALL_ROWS = 16  # decode-step row counts (batch × 1) up to which sub_logits uses head · fᵀ
-LAYER_MATMULS = tuple(k for k in LAYER_KEYS if k in llama.MATMUL_WEIGHTS)  # the block's matrices
 
 
 def quantize_params(params: dict) -> dict:
@@ -259,8 +249,9 @@ def quantize_params(params: dict) -> dict:
     tp = dict(params["train"])
     layer = dict(tp["layer"])
     tp["fc"], tp["fc_scale"] = llama.quantize_int8(tp["fc"], 0)
-    for name in LAYER_MATMULS:
-        layer[name], layer[name + "_scale"] = llama.quantize_int8(layer[name], 0)
+    for spec in block_weights():
+        if spec.quant_axis is not None:
+            layer[spec.name], layer[spec.name + "_scale"] = llama.quantize_int8(layer[spec.name], spec.quant_axis)
     tp["layer"] = layer
     fz = dict(params["frozen"])
     fz["head"], fz["head_scale"] = llama.quantize_int8(fz["head"], 1)
@@ -428,7 +419,7 @@ def fingerprint_mismatch(saved: dict, fp: dict) -> str | None:
 def flat_trainable(tp: dict) -> dict[str, np.ndarray]:
     out = {"fc": tp["fc"], "fc_b": tp["fc_b"], "out_norm": tp["out_norm"]}
     out.update({k: tp[k] for k in COPY_KEYS if k in tp})
-    for k in LAYER_KEYS:
+    for k in layer_keys():
         out[f"layer.{k}"] = tp["layer"][k]
     return {k: np.asarray(v) for k, v in out.items()}
 
@@ -436,7 +427,7 @@ def flat_trainable(tp: dict) -> dict[str, np.ndarray]:
 def unflat_trainable(flat: dict) -> dict:
     tp = {"fc": jnp.asarray(flat["fc"], jnp.float32), "fc_b": jnp.asarray(flat["fc_b"], jnp.float32),
           "out_norm": jnp.asarray(flat["out_norm"], jnp.float32),
-          "layer": {k: jnp.asarray(flat[f"layer.{k}"], jnp.float32) for k in LAYER_KEYS}}
+          "layer": {k: jnp.asarray(flat[f"layer.{k}"], jnp.float32) for k in layer_keys()}}
     tp.update({k: jnp.asarray(flat[k], jnp.float32) for k in COPY_KEYS if k in flat})
     return tp
 

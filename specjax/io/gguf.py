@@ -85,12 +85,18 @@ def config_from_gguf(reader) -> ModelConfig:
         rope_theta=float(field(reader, f"{arch}.rope.freq_base", 10000.0)),
         rope_scaling=scaling,
         max_position_embeddings=int(field(reader, f"{arch}.context_length", 2048)),
-        tie_word_embeddings="output.weight" not in names,
+        tie_word_embeddings=_lm_head_name() not in names,
         attention_bias=arch == "qwen2",
         model_type=arch,
         bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),),
     )
+
+
+def _lm_head_name() -> str:
+    from specjax.models import llama
+
+    return llama.weight_spec("lm_head").gguf_name
 
 
 def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -100,50 +106,34 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, out // n_heads // 2, 2, *rest).swapaxes(1, 2).reshape(out, *rest)
 
 
-_LAYER_MAP = {
-    "attn_norm.weight": ("attn_norm", False),
-    "attn_q.weight": ("wq", True),
-    "attn_k.weight": ("wk", True),
-    "attn_v.weight": ("wv", True),
-    "attn_q.bias": ("bq", False),
-    "attn_k.bias": ("bk", False),
-    "attn_v.bias": ("bv", False),
-    "attn_output.weight": ("wo", True),
-    "ffn_norm.weight": ("mlp_norm", False),
-    "ffn_gate.weight": ("w_gate", True),
-    "ffn_up.weight": ("w_up", True),
-    "ffn_down.weight": ("w_down", True),
-}
-
-
 def iter_gguf_tensors(reader, cfg: ModelConfig):
     """Yield ``(param_path, float32 array in specjax layout)`` for every tensor, one at a time
-    (so at most one dequantized tensor is alive besides what the caller keeps).
+    (so at most one dequantized tensor is alive besides what the caller keeps). Names,
+    transposes and the Q/K row permutation come from the weight table
+    (:data:`specjax.models.llama.WEIGHTS`).
 
     Raises:
       CheckpointError: a tensor name this architecture does not have.
     """
     from gguf.quants import dequantize
 
-    arch_permutes = cfg.model_type == "llama"
+    from specjax.models import llama
+
+    arch_permutes = cfg.model_type == "llama"  # llama.cpp permutes Q/K rows for this architecture only
+    names = llama.checkpoint_names(cfg, "gguf")
     for t in reader.tensors:
         name = t.name
-        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        if name == "token_embd.weight":
-            yield ("embed",), w.reshape(cfg.vocab_size, cfg.hidden_size)
-        elif name == "output_norm.weight":
-            yield ("final_norm",), w
-        elif name == "output.weight":
-            yield ("lm_head",), w.reshape(cfg.vocab_size, cfg.hidden_size).T
-        elif name.startswith("blk."):
-            _, idx, rest = name.split(".", 2)
-            if rest not in _LAYER_MAP:
-                raise CheckpointError(f"unexpected tensor {name!r} in GGUF file")
-            key, transpose = _LAYER_MAP[rest]
-            if arch_permutes and rest in ("attn_q.weight", "attn_q.bias"):
-                w = unpermute_qk(w, cfg.num_heads)
-            elif arch_permutes and rest in ("attn_k.weight", "attn_k.bias"):
-                w = unpermute_qk(w, cfg.num_kv_heads)
-            yield ("layers", int(idx), key), (w.T if transpose else w)
-        else:
+        hit = names.get(name)
+        if hit is None:
             raise CheckpointError(f"unexpected tensor {name!r} in GGUF file")
+        path, spec = hit
+        if spec.tied_to is not None and not spec.present(cfg):
+            continue  # a copy of the weight it is tied to
+        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        shape = tuple(spec.shape(cfg))
+        stored = shape[::-1] if spec.gguf_transpose else shape  # the [out, in] layout of the file
+        if w.size == int(np.prod(stored)):
+            w = w.reshape(stored)
+        if arch_permutes and spec.gguf_permute is not None:
+            w = unpermute_qk(w, getattr(cfg, spec.gguf_permute))
+        yield path, (w.T if spec.gguf_transpose else w)

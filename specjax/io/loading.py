@@ -110,8 +110,9 @@ def assemble_params(
         if tuple(arr.shape) != want:
             raise CheckpointError(f"{source}: tensor {_name(path)} has shape {tuple(arr.shape)}, expected {want}")
         items = [(path, arr)]
-        if dt == "int8" and path[-1] in llama.MATMUL_WEIGHTS:  # per-channel int8 + float32 scale
-            q, scale = llama.quantize_int8(arr, axis=1 if path[-1] == "embed" else 0)
+        spec = llama.weight_spec(path[-1])
+        if dt == "int8" and spec is not None and spec.quant_axis is not None:  # per-channel int8 + float32 scale
+            q, scale = llama.quantize_int8(arr, axis=spec.quant_axis)
             items = [(path, q), (path[:-1] + (path[-1] + "_scale",), scale)]
         for p, a in items:
             a = jnp.asarray(a, dtype=expected[p].dtype)
@@ -131,41 +132,26 @@ def _name(path):
 
 
 # ---------------------------------------------------------------- Hugging Face
-_HF_LAYER = {
-    "input_layernorm.weight": ("attn_norm", False),
-    "self_attn.q_proj.weight": ("wq", True),
-    "self_attn.k_proj.weight": ("wk", True),
-    "self_attn.v_proj.weight": ("wv", True),
-    "self_attn.q_proj.bias": ("bq", False),
-    "self_attn.k_proj.bias": ("bk", False),
-    "self_attn.v_proj.bias": ("bv", False),
-    "self_attn.o_proj.weight": ("wo", True),
-    "self_attn.o_proj.bias": ("bo", False),
-    "post_attention_layernorm.weight": ("mlp_norm", False),
-    "mlp.gate_proj.weight": ("w_gate", True),
-    "mlp.up_proj.weight": ("w_up", True),
-    "mlp.down_proj.weight": ("w_down", True),
-}
-
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
 
-def _hf_tensor_path(name: str, cfg: ModelConfig):
-    """Map a HF tensor name to ``(specjax path, transpose)``; ``None`` for tensors to skip."""
+def _hf_tensor_path(name: str, cfg: ModelConfig, names: dict | None = None):
+    """Map a HF tensor name to ``(specjax path, transpose)`` by the weight table
+    (:data:`specjax.models.llama.WEIGHTS`); ``None`` for tensors to skip (RoPE buffers, the
+    copy of a tied head). ``names``: ``llama.checkpoint_names(cfg, "hf")`` if already built.
+
+    Raises:
+      CheckpointError: a name the table does not have for this config.
+    """
     if name.endswith("rotary_emb.inv_freq"):
         return None
-    if name == "model.embed_tokens.weight":
-        return ("embed",), False
-    if name == "model.norm.weight":
-        return ("final_norm",), False
-    if name == "lm_head.weight":
-        return (None if cfg.tie_word_embeddings else (("lm_head",), True))
-    if name.startswith("model.layers."):
-        _, _, idx, rest = name.split(".", 3)
-        if rest in _HF_LAYER:
-            key, tr = _HF_LAYER[rest]
-            return ("layers", int(idx), key), tr
-    raise CheckpointError(f"unexpected tensor {name!r} for a {cfg.model_type} model")
+    hit = (names if names is not None else llama.checkpoint_names(cfg, "hf")).get(name)
+    if hit is None:
+        raise CheckpointError(f"unexpected tensor {name!r} for a {cfg.model_type} model")
+    path, spec = hit
+    if spec.tied_to is not None and not spec.present(cfg):
+        return None
+    return path, spec.hf_transpose
 
 
 def _safetensor_files(path: str) -> list[str]:
@@ -195,11 +181,12 @@ def iter_hf_tensors(path: str, cfg: ModelConfig):
     """Yield ``(specjax path, array in specjax layout)`` from the safetensors files in ``path``."""
     from safetensors import safe_open
 
+    names = llama.checkpoint_names(cfg, "hf")
     for file in _safetensor_files(path):
         try:
             with safe_open(file, framework="flax") as f:
                 for name in f.keys():
-                    target = _hf_tensor_path(name, cfg)
+                    target = _hf_tensor_path(name, cfg, names)
                     if target is None:
                         continue
                     p, tr = target
@@ -412,7 +399,7 @@ def float_tensors(model: Model):
         a = jnp.asarray(arr, jnp.float32)
         scale = flat.get(p[:-1] + (p[-1] + "_scale",))
         if scale is not None:
-            a = a * (scale[:, None] if p[-1] == "embed" else scale[None, :])
+            a = a * jnp.expand_dims(scale, llama.weight_spec(p[-1]).quant_axis)
         yield p, a
 
 
@@ -429,20 +416,14 @@ def save_model(model: Model, path: str, extra_metadata: dict | None = None) -> s
         raise CheckpointError(f"{path} exists and is not empty; choose a new directory")
     os.makedirs(path, exist_ok=True)
     cfg = model.config
-    inv = {v[0]: (k, v[1]) for k, v in _HF_LAYER.items()}
     tensors = {}
-    for p, arr in float_tensors(model):
+    for p, arr in float_tensors(model):  # names and layouts from the weight table
         a = np.asarray(arr)
-        if p == ("embed",):
-            tensors["model.embed_tokens.weight"] = a
-        elif p == ("final_norm",):
-            tensors["model.norm.weight"] = a
-        elif p == ("lm_head",):
-            tensors["lm_head.weight"] = np.ascontiguousarray(a.T)
-        else:
-            _, idx, key = p
-            name, tr = inv[key]
-            tensors[f"model.layers.{idx}.{name}"] = np.ascontiguousarray(a.T) if tr else a
+        spec = llama.weight_spec(p[-1])
+        name = spec.checkpoint_name("hf", p[1] if spec.per_layer else None)
+        if name is None:
+            raise CheckpointError(f"weight {_name(p)} has no Hugging Face name; it cannot be saved as safetensors")
+        tensors[name] = np.ascontiguousarray(a.T) if spec.hf_transpose else a
     meta = {"format": "pt"}
     meta.update({k: str(v) for k, v in (extra_metadata or {}).items()})
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata=meta)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple
+from typing import Callable, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,8 +29,181 @@ from specjax.models.config import ModelConfig
 
 
 WEIGHT_FORMATS = ("float32", "bfloat16", "int8")
-# Matmul weights (quantized in int8) and the axis their per-channel scale runs along.
-MATMUL_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head", "embed")
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightSpec:
+    """Everything specjax knows about one weight, in one place (:data:`WEIGHTS`).
+
+    Initialisation and abstract shapes (:class:`Transformer`), the Hugging Face and GGUF
+    loaders and :func:`specjax.io.loading.save_model` (names, transposes, the GGUF Q/K row
+    permutation), the sharding rules (:mod:`specjax.runtime.sharding`), the int8 format
+    (which weights, on which axis) and the EAGLE drafter's block all read this table;
+    adding an entry adds the weight everywhere (the forward pass still has to use it).
+
+    Attributes:
+      name: parameter name, the last element of its path (``("embed",)``,
+        ``("layers", i, "wq")``).
+      shape: ``cfg -> shape`` in specjax layout (matmul weights ``[in, out]``).
+      logical_axes: one logical axis name (or ``None``) per dimension, for sharding
+        (``"heads"``, ``"kv_heads"``, ``"mlp"``, ``"vocab"``; see
+        :data:`specjax.runtime.sharding.AXIS_RULES`).
+      init: random initialisation: ``"normal"`` (N(0, 0.02)), ``"ones"`` or ``"zeros"``.
+      quant_axis: a matmul weight: stored in the weight format's matmul dtype, and in int8
+        quantized per channel with a float32 ``<name>_scale`` reduced over this axis (the
+        input dimension). ``None``: not a matmul weight (float32, or bf16 in ``bfloat16``).
+      hf_name: Hugging Face safetensors name; ``{i}`` is the layer index. ``None``: none.
+      hf_transpose: the HF tensor is the transpose of the specjax one (``[out, in]``).
+      gguf_name: llama.cpp GGUF name (``{i}``: layer); ``None``: the GGUF loader has none.
+      gguf_transpose: the (dequantized) GGUF tensor is the transpose of the specjax one.
+      gguf_permute: a ``ModelConfig`` head-count attribute (``"num_heads"``,
+        ``"num_kv_heads"``): llama.cpp permuted the rows of this tensor per head for the
+        ``llama`` architecture (:func:`specjax.io.gguf.unpermute_qk`); ``None``: never.
+      per_layer: one per decoder block (path ``("layers", i, name)``), else one per model.
+      when: ``cfg -> bool``: the model has this weight only where true (``None``: always).
+      tied_to: where ``when`` is false the weight IS this other one (the tied LM head is
+        the embedding): a checkpoint's copy of it is skipped, not refused.
+    """
+
+    name: str
+    shape: Callable[[ModelConfig], tuple]
+    logical_axes: tuple
+    init: str = "normal"
+    quant_axis: int | None = None
+    hf_name: str | None = None
+    hf_transpose: bool = False
+    gguf_name: str | None = None
+    gguf_transpose: bool = False
+    gguf_permute: str | None = None
+    per_layer: bool = False
+    when: Callable[[ModelConfig], bool] | None = None
+    tied_to: str | None = None
+
+    def present(self, cfg: ModelConfig) -> bool:
+        """Whether a model with config ``cfg`` has this weight."""
+        return self.when is None or bool(self.when(cfg))
+
+    def path(self, layer: int | None = None) -> tuple:
+        """Parameter path: ``("layers", layer, name)`` per layer, else ``(name,)``."""
+        return ("layers", layer, self.name) if self.per_layer else (self.name,)
+
+    def checkpoint_name(self, fmt: str, layer: int | None = None) -> str | None:
+        """The tensor's name in a ``"hf"`` or ``"gguf"`` checkpoint (``None``: it has none)."""
+        template = {"hf": self.hf_name, "gguf": self.gguf_name}[fmt]
+        return None if template is None else template.format(i=layer)
+
+    def transposed(self, fmt: str) -> bool:
+        """Whether the ``"hf"``/``"gguf"`` tensor is the transpose of the specjax one."""
+        return {"hf": self.hf_transpose, "gguf": self.gguf_transpose}[fmt]
+
+    @property
+    def scale_axes(self) -> tuple:
+        """Logical axes of the int8 ``<name>_scale``: the weight's, without ``quant_axis``."""
+        return tuple(a for k, a in enumerate(self.logical_axes) if k != self.quant_axis)
+
+
+def _q_out(c: ModelConfig) -> int:
+    return c.num_heads * c.head_dim
+
+
+def _kv_out(c: ModelConfig) -> int:
+    return c.num_kv_heads * c.head_dim
+
+
+_LAYER = "model.layers.{i}."
+
+# The one table of weights, in model order (embedding, one block, final norm, head): the
+# random initialisation draws the "normal" weights in this order (layer by layer).
+WEIGHTS: tuple[WeightSpec, ...] = (
+    WeightSpec("embed", lambda c: (c.vocab_size, c.hidden_size), ("vocab", None), quant_axis=1,
+               hf_name="model.embed_tokens.weight", gguf_name="token_embd.weight"),
+    WeightSpec("attn_norm", lambda c: (c.hidden_size,), (None,), init="ones", per_layer=True,
+               hf_name=_LAYER + "input_layernorm.weight", gguf_name="blk.{i}.attn_norm.weight"),
+    WeightSpec("wq", lambda c: (c.hidden_size, _q_out(c)), (None, "heads"), quant_axis=0, per_layer=True,
+               hf_name=_LAYER + "self_attn.q_proj.weight", hf_transpose=True,
+               gguf_name="blk.{i}.attn_q.weight", gguf_transpose=True, gguf_permute="num_heads"),
+    WeightSpec("wk", lambda c: (c.hidden_size, _kv_out(c)), (None, "kv_heads"), quant_axis=0, per_layer=True,
+               hf_name=_LAYER + "self_attn.k_proj.weight", hf_transpose=True,
+               gguf_name="blk.{i}.attn_k.weight", gguf_transpose=True, gguf_permute="num_kv_heads"),
+    WeightSpec("wv", lambda c: (c.hidden_size, _kv_out(c)), (None, "kv_heads"), quant_axis=0, per_layer=True,
+               hf_name=_LAYER + "self_attn.v_proj.weight", hf_transpose=True,
+               gguf_name="blk.{i}.attn_v.weight", gguf_transpose=True),
+    WeightSpec("bq", lambda c: (_q_out(c),), ("heads",), init="zeros", per_layer=True,
+               when=lambda c: c.attention_bias, hf_name=_LAYER + "self_attn.q_proj.bias",
+               gguf_name="blk.{i}.attn_q.bias", gguf_permute="num_heads"),
+    WeightSpec("bk", lambda c: (_kv_out(c),), ("kv_heads",), init="zeros", per_layer=True,
+               when=lambda c: c.attention_bias, hf_name=_LAYER + "self_attn.k_proj.bias",
+               gguf_name="blk.{i}.attn_k.bias", gguf_permute="num_kv_heads"),
+    WeightSpec("bv", lambda c: (_kv_out(c),), ("kv_heads",), init="zeros", per_layer=True,
+               when=lambda c: c.attention_bias, hf_name=_LAYER + "self_attn.v_proj.bias",
+               gguf_name="blk.{i}.attn_v.bias"),
+    WeightSpec("wo", lambda c: (_q_out(c), c.hidden_size), ("heads", None), quant_axis=0, per_layer=True,
+               hf_name=_LAYER + "self_attn.o_proj.weight", hf_transpose=True,
+               gguf_name="blk.{i}.attn_output.weight", gguf_transpose=True),
+    WeightSpec("bo", lambda c: (c.hidden_size,), (None,), init="zeros", per_layer=True,
+               when=lambda c: c.attention_out_bias, hf_name=_LAYER + "self_attn.o_proj.bias"),
+    WeightSpec("mlp_norm", lambda c: (c.hidden_size,), (None,), init="ones", per_layer=True,
+               hf_name=_LAYER + "post_attention_layernorm.weight", gguf_name="blk.{i}.ffn_norm.weight"),
+    WeightSpec("w_gate", lambda c: (c.hidden_size, c.intermediate_size), (None, "mlp"), quant_axis=0,
+               per_layer=True, hf_name=_LAYER + "mlp.gate_proj.weight", hf_transpose=True,
+               gguf_name="blk.{i}.ffn_gate.weight", gguf_transpose=True),
+    WeightSpec("w_up", lambda c: (c.hidden_size, c.intermediate_size), (None, "mlp"), quant_axis=0,
+               per_layer=True, hf_name=_LAYER + "mlp.up_proj.weight", hf_transpose=True,
+               gguf_name="blk.{i}.ffn_up.weight", gguf_transpose=True),
+    WeightSpec("w_down", lambda c: (c.intermediate_size, c.hidden_size), ("mlp", None), quant_axis=0,
+               per_layer=True, hf_name=_LAYER + "mlp.down_proj.weight", hf_transpose=True,
+               gguf_name="blk.{i}.ffn_down.weight", gguf_transpose=True),
+    WeightSpec("final_norm", lambda c: (c.hidden_size,), (None,), init="ones",
+               hf_name="model.norm.weight", gguf_name="output_norm.weight"),
+    WeightSpec("lm_head", lambda c: (c.hidden_size, c.vocab_size), (None, "vocab"), quant_axis=0,
+               when=lambda c: not c.tie_word_embeddings, tied_to="embed",
+               hf_name="lm_head.weight", hf_transpose=True, gguf_name="output.weight", gguf_transpose=True),
+)
+
+
+def weight_spec(name: str) -> WeightSpec | None:
+    """The :data:`WEIGHTS` entry of parameter ``name`` (``"wq"``), or ``None`` (e.g. for an
+    int8 ``<name>_scale``, or a name the table does not have)."""
+    for spec in WEIGHTS:
+        if spec.name == name:
+            return spec
+    return None
+
+
+def layer_weights(cfg: ModelConfig) -> tuple[WeightSpec, ...]:
+    """The per-layer weights a block of a model with config ``cfg`` has, in table order."""
+    return tuple(s for s in WEIGHTS if s.per_layer and s.present(cfg))
+
+
+def matmul_weights() -> tuple[str, ...]:
+    """Names of the matmul weights (int8-quantized in the int8 format), from :data:`WEIGHTS`."""
+    return tuple(s.name for s in WEIGHTS if s.quant_axis is not None)
+
+
+def param_logical_axes() -> dict[str, tuple]:
+    """``{parameter name: logical axis of each dimension}`` for every weight of :data:`WEIGHTS`
+    and the int8 ``<name>_scale`` of each matmul weight (its output dimension's axis)."""
+    out = {s.name: tuple(s.logical_axes) for s in WEIGHTS}
+    out.update({s.name + "_scale": s.scale_axes for s in WEIGHTS if s.quant_axis is not None})
+    return out
+
+
+def checkpoint_names(cfg: ModelConfig, fmt: str) -> dict[str, tuple[tuple, WeightSpec]]:
+    """``{tensor name: (parameter path, spec)}`` of every weight with a name in a ``fmt``
+    (``"hf"`` or ``"gguf"``) checkpoint, for every layer of ``cfg``. Weights that ``cfg``
+    does not have (``spec.present(cfg)`` false) are included: a loader skips a tied copy
+    (``spec.tied_to``) and refuses the rest.
+
+    Raises:
+      KeyError: ``fmt`` is not ``"hf"`` or ``"gguf"``.
+    """
+    out = {}
+    for spec in WEIGHTS:
+        for i in (range(cfg.num_layers) if spec.per_layer else (None,)):
+            name = spec.checkpoint_name(fmt, i)
+            if name is not None:
+                out[name] = (spec.path(i), spec)
+    return out
 
 
 def storage_dtype(fmt: str):
@@ -51,48 +224,49 @@ def quantize_int8(w, axis: int):
     return q, scale.astype(jnp.float32)
 
 
-def _weight(rngs, shape, fmt, reduce_axis):
-    """A matmul weight (and its int8 scale param, or None)."""
-    w = 0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)
-    if fmt == "int8":
-        q, s = quantize_int8(w, reduce_axis)
-        return nnx.Param(q), nnx.Param(s)
-    return nnx.Param(w.astype(storage_dtype(fmt))), None
+def init_weight(spec: WeightSpec, cfg: ModelConfig, key=None) -> jax.Array:
+    """A float32 weight of ``spec.shape(cfg)`` initialised per ``spec.init``: N(0, 0.02) from
+    ``key`` (needed only for ``"normal"``), or all ones / zeros.
+
+    Raises:
+      ValueError: an unknown ``spec.init``.
+    """
+    shape = tuple(spec.shape(cfg))
+    if spec.init == "normal":
+        return 0.02 * jax.random.normal(key, shape, jnp.float32)
+    if spec.init not in ("ones", "zeros"):
+        raise ValueError(f"weight {spec.name}: unknown init {spec.init!r} (normal, ones or zeros)")
+    return jnp.full(shape, 1.0 if spec.init == "ones" else 0.0, jnp.float32)
 
 
-def _vec(value, shape, fmt):
-    return nnx.Param(jnp.full(shape, value, jnp.bfloat16 if fmt == "bfloat16" else jnp.float32))
+def _add_weight(module, spec: WeightSpec, cfg: ModelConfig, fmt: str, rngs: nnx.Rngs) -> None:
+    """Set ``module.<name>`` (and its int8 ``<name>_scale``) to a new weight in format ``fmt``."""
+    w = init_weight(spec, cfg, rngs.params() if spec.init == "normal" else None)
+    if spec.quant_axis is not None and fmt == "int8":
+        q, s = quantize_int8(w, spec.quant_axis)
+        setattr(module, spec.name, nnx.Param(q))
+        setattr(module, spec.name + "_scale", nnx.Param(s))
+        return
+    dtype = storage_dtype(fmt) if spec.quant_axis is not None else (jnp.bfloat16 if fmt == "bfloat16" else jnp.float32)
+    setattr(module, spec.name, nnx.Param(w.astype(dtype)))
 
 
 class Block(nnx.Module):
     """One pre-norm decoder block: RMSNorm → GQA attention → RMSNorm → SwiGLU MLP.
 
-    Matmul weights are stored ``[in, out]``; in the int8 format each has a float32
+    Its parameters are the per-layer entries of :data:`WEIGHTS` that ``cfg`` has. Matmul
+    weights are stored ``[in, out]``; in the int8 format each has a float32
     per-output-channel ``<name>_scale``.
     """
 
     def __init__(self, cfg: ModelConfig, fmt: str, rngs: nnx.Rngs):
-        d, hd, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-        self.attn_norm = _vec(1.0, (d,), fmt)
-        shapes = {"wq": (d, cfg.num_heads * hd), "wk": (d, cfg.num_kv_heads * hd),
-                  "wv": (d, cfg.num_kv_heads * hd), "wo": (cfg.num_heads * hd, d),
-                  "w_gate": (d, f), "w_up": (d, f), "w_down": (f, d)}
-        for name, shape in shapes.items():
-            w, s = _weight(rngs, shape, fmt, 0)
-            setattr(self, name, w)
-            if s is not None:
-                setattr(self, name + "_scale", s)
-        if cfg.attention_bias:
-            self.bq = _vec(0.0, (cfg.num_heads * hd,), fmt)
-            self.bk = _vec(0.0, (cfg.num_kv_heads * hd,), fmt)
-            self.bv = _vec(0.0, (cfg.num_kv_heads * hd,), fmt)
-        if cfg.attention_out_bias:
-            self.bo = _vec(0.0, (d,), fmt)
-        self.mlp_norm = _vec(1.0, (d,), fmt)
+        for spec in layer_weights(cfg):
+            _add_weight(self, spec, cfg, fmt, rngs)
 
 
 class Transformer(nnx.Module):
-    """Parameters of a Llama-family decoder. Call it through :func:`apply`.
+    """Parameters of a Llama-family decoder (the entries of :data:`WEIGHTS` that ``cfg`` has).
+    Call it through :func:`apply`.
 
     ``fmt``: weight format — ``float32``; ``bfloat16`` (bf16 weights, float32
     accumulation); ``int8`` (per-channel int8 weights × per-row int8 activations,
@@ -101,15 +275,15 @@ class Transformer(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, fmt: str = "float32", rngs: nnx.Rngs):
         storage_dtype(fmt)  # validates
-        self.embed, s = _weight(rngs, (cfg.vocab_size, cfg.hidden_size), fmt, 1)
-        if s is not None:
-            self.embed_scale = s
-        self.layers = nnx.List([Block(cfg, fmt, rngs) for _ in range(cfg.num_layers)])
-        self.final_norm = _vec(1.0, (cfg.hidden_size,), fmt)
-        if not cfg.tie_word_embeddings:
-            self.lm_head, s = _weight(rngs, (cfg.hidden_size, cfg.vocab_size), fmt, 0)
-            if s is not None:
-                self.lm_head_scale = s
+        first_layer = next((k for k, s in enumerate(WEIGHTS) if s.per_layer), len(WEIGHTS))
+        # in table order: the model weights listed before the blocks, the blocks, the rest
+        for k, spec in enumerate(WEIGHTS):
+            if k == first_layer:
+                self.layers = nnx.List([Block(cfg, fmt, rngs) for _ in range(cfg.num_layers)])
+            if not spec.per_layer and spec.present(cfg):
+                _add_weight(self, spec, cfg, fmt, rngs)
+        if first_layer == len(WEIGHTS):  # a table without per-layer weights
+            self.layers = nnx.List([])
 
 
 def _fmt(dtype) -> str:
@@ -221,6 +395,11 @@ def _p(module, name):
     return module.__dict__[name][...] if name in module.__dict__ else None
 
 
+def _arrays(module) -> dict:
+    """``{name: array}`` of a module's own parameters (a block's weights and int8 scales)."""
+    return {k: v[...] for k, v in vars(module).items() if isinstance(v, nnx.Param)}
+
+
 def rope(x, positions, inv_freq):
     """Rotary embedding, Hugging Face "rotate half" layout.
 
@@ -271,6 +450,61 @@ def _attention(q, k_cache, v_cache, positions, cfg: ModelConfig, per_query: bool
     return out.reshape(b, t, h * hd)
 
 
+def decoder_block(
+    p: Mapping[str, jax.Array],
+    h: Float[Array, "batch seq hidden"],
+    positions: Int[Array, "batch seq"],
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    cfg: ModelConfig,
+    inv_freq=None,
+    per_query: bool = False,
+) -> tuple[Float[Array, "batch seq hidden"], jax.Array, jax.Array]:
+    """One decoder block (pre-norm GQA attention with RoPE, then SwiGLU MLP) on the residual
+    stream ``h``, writing its K/V into this block's cache arrays.
+
+    Args:
+      p: the block's weights by :data:`WEIGHTS` name (``attn_norm``, ``wq`` ``[D, H·hd]``, …,
+        ``w_down`` ``[F, D]``; matmul weights ``[in, out]`` in float32, bfloat16 or int8 with
+        a float32 ``<name>_scale``). Optional weights (the biases ``bq``/``bk``/``bv``/``bo``)
+        may be absent.
+      h: ``[B, T, D]`` float32 input of the block.
+      positions: ``[B, T]`` int32, contiguous per row: K/V are written at slots
+        ``positions[:, 0] + arange(T)``; the query at position t sees slots ≤ t.
+      k_cache, v_cache: ``[B, KV, S, hd]`` this block's cache arrays (any float dtype).
+      cfg: heads, head_dim, RoPE and RMSNorm epsilon.
+      inv_freq: ``cfg.rope_inv_freq()`` if already computed (``[hd/2]``).
+      per_query: attend query by query in short blocks (see :func:`_attention`; the
+        reduced weight formats use it to keep greedy speculative == autoregressive).
+
+    Returns:
+      ``(h [B, T, D] float32 output of the block, k_cache, v_cache)`` with the new K/V written.
+    """
+    b, t = h.shape[:2]
+    hd = cfg.head_dim
+    if inv_freq is None:
+        inv_freq = cfg.rope_inv_freq()
+    inv_freq = jnp.asarray(inv_freq)
+    starts = positions[:, 0]
+
+    def lin(x, name, bias=None):
+        return dense(x, p[name], p.get(bias) if bias else None, p.get(name + "_scale"))
+
+    x = rms_norm(h, p["attn_norm"], cfg.rms_norm_eps)
+    q = lin(x, "wq", "bq").reshape(b, t, cfg.num_heads, hd)
+    k = lin(x, "wk", "bk").reshape(b, t, cfg.num_kv_heads, hd)
+    v = lin(x, "wv", "bv").reshape(b, t, cfg.num_kv_heads, hd)
+    q = rope(q, positions, inv_freq)
+    k = rope(k, positions, inv_freq)
+    kc = _write(k_cache, k.transpose(0, 2, 1, 3), starts)
+    vc = _write(v_cache, v.transpose(0, 2, 1, 3), starts)
+    a = _attention(q.astype(kc.dtype), kc, vc, positions, cfg, per_query=per_query)
+    h = h + lin(a, "wo", "bo")
+    x = rms_norm(h, p["mlp_norm"], cfg.rms_norm_eps)
+    h = h + lin(jax.nn.silu(lin(x, "w_gate")) * lin(x, "w_up"), "w_down")
+    return h, kc, vc
+
+
 class Output(NamedTuple):
     logits: Float[Array, "batch seq vocab"] | None
     cache: KVCache
@@ -299,30 +533,13 @@ def forward(
     model = nnx.merge(graphdef, params)
     inv_freq = jnp.asarray(cfg.rope_inv_freq())
     h = embed_tokens(model, tokens)
-    b, t = tokens.shape
-    hd = cfg.head_dim
-    starts = positions[:, 0]
     reduced = model.layers[0].wq[...].dtype != jnp.float32  # bf16 / int8 weights
     new_k, new_v = [], []
     for i, layer in enumerate(model.layers):
-
-        def lin(x, name, bias=None):
-            return dense(x, layer.__dict__[name][...], _p(layer, bias) if bias else None, _p(layer, name + "_scale"))
-
-        x = rms_norm(h, layer.attn_norm[...], cfg.rms_norm_eps)
-        q = lin(x, "wq", "bq").reshape(b, t, cfg.num_heads, hd)
-        k = lin(x, "wk", "bk").reshape(b, t, cfg.num_kv_heads, hd)
-        v = lin(x, "wv", "bv").reshape(b, t, cfg.num_kv_heads, hd)
-        q = rope(q, positions, inv_freq)
-        k = rope(k, positions, inv_freq)
-        kc = _write(cache.k[i], k.transpose(0, 2, 1, 3), starts)
-        vc = _write(cache.v[i], v.transpose(0, 2, 1, 3), starts)
+        h, kc, vc = decoder_block(_arrays(layer), h, positions, cache.k[i], cache.v[i], cfg,
+                                  inv_freq=inv_freq, per_query=reduced)
         new_k.append(kc)
         new_v.append(vc)
-        a = _attention(q.astype(kc.dtype), kc, vc, positions, cfg, per_query=reduced)
-        h = h + lin(a, "wo", "bo")
-        x = rms_norm(h, layer.mlp_norm[...], cfg.rms_norm_eps)
-        h = h + lin(jax.nn.silu(lin(x, "w_gate")) * lin(x, "w_up"), "w_down")
     h = rms_norm(h, model.final_norm[...], cfg.rms_norm_eps)
     return h, KVCache(k=new_k, v=new_v, lengths=cache.lengths)
 

@@ -18,6 +18,8 @@ vocab          embed ``[V, D]`` rows,          model
                lm_head ``[D, V]`` columns
 =============  ==============================  ========
 
+The parameter rows come from the weight table (each :class:`specjax.models.llama.WeightSpec`
+names the logical axis of each dimension; :data:`PARAM_LOGICAL_AXES`).
 Everything else (norms, ``bo``, the model width D, cache length and head_dim) is
 replicated. Head dimensions split whole heads only: ``wq [D, H·hd]`` is sharded
 iff ``H % model == 0`` (``wk``/``wv`` and the caches iff ``KV % model == 0``). A
@@ -39,12 +41,15 @@ import dataclasses
 import re
 import sys
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from specjax.models import llama
 
 DATA = "data"
 MODEL = "model"
@@ -59,29 +64,28 @@ __all__ = [
 # logical axis -> mesh axis (anything not named here is replicated)
 AXIS_RULES: dict[str, str] = {"batch": DATA, "heads": MODEL, "kv_heads": MODEL, "mlp": MODEL, "vocab": MODEL}
 
-# parameter name (last path element) -> logical axis of each dimension
-PARAM_LOGICAL_AXES: dict[str, tuple] = {
-    "embed": ("vocab", None),
-    "lm_head": (None, "vocab"),
-    "wq": (None, "heads"),
-    "bq": ("heads",),
-    "wk": (None, "kv_heads"),
-    "wv": (None, "kv_heads"),
-    "bk": ("kv_heads",),
-    "bv": ("kv_heads",),
-    "wo": ("heads", None),
-    "w_gate": (None, "mlp"),
-    "w_up": (None, "mlp"),
-    "w_down": ("mlp", None),
-    # int8 weights: the per-output-channel scale follows the output dimension
-    "wq_scale": ("heads",),
-    "wk_scale": ("kv_heads",),
-    "wv_scale": ("kv_heads",),
-    "w_gate_scale": ("mlp",),
-    "w_up_scale": ("mlp",),
-    "embed_scale": ("vocab",),
-    "lm_head_scale": ("vocab",),
-}
+
+
+class _ParamLogicalAxes(Mapping):
+    """``{parameter name (last path element): logical axis of each dimension}``, read from the
+    weight table (:data:`specjax.models.llama.WEIGHTS`, :func:`~specjax.models.llama.param_logical_axes`)
+    on every lookup: a weight added to the table is sharded by its own axes, and an int8
+    ``<name>_scale`` follows its weight's output dimension."""
+
+    def __getitem__(self, name):
+        return llama.param_logical_axes()[name]
+
+    def __iter__(self):
+        return iter(llama.param_logical_axes())
+
+    def __len__(self):
+        return len(llama.param_logical_axes())
+
+    def __repr__(self):
+        return f"PARAM_LOGICAL_AXES({llama.param_logical_axes()!r})"
+
+
+PARAM_LOGICAL_AXES: Mapping[str, tuple] = _ParamLogicalAxes()
 
 CACHE_LOGICAL_AXES = ("batch", "kv_heads", None, None)  # [B, KV, S, hd]
 
@@ -217,7 +221,6 @@ def param_spec(path: tuple, shape: tuple, cfg, mesh: Mesh) -> P:
 
 def param_shardings(cfg, mesh: Mesh, dtype="float32") -> dict[tuple, NamedSharding]:
     """``{param path: NamedSharding}`` for every parameter of a model with config ``cfg``."""
-    from specjax.models import llama
     from flax import nnx
 
     _, abstract = llama.abstract_model(cfg, llama.weight_format(dtype))
@@ -247,8 +250,6 @@ def batch_sharding(mesh: Mesh, ndim: int = 1, batch: int | None = None) -> Named
 
 def cache_shardings(cfg, mesh: Mesh, cache):
     """A :class:`~specjax.models.llama.KVCache` of shardings matching ``cache`` (arrays or shapes)."""
-    from specjax.models import llama
-
     b = cache.lengths.shape[0]
     s = cache_sharding(cfg, mesh, b)
     return llama.KVCache(k=[s] * len(cache.k), v=[s] * len(cache.v), lengths=batch_sharding(mesh, 1, b))
@@ -259,15 +260,20 @@ def replication_notes(cfg, mesh_or_model_size) -> list[str]:
     m = mesh_or_model_size if isinstance(mesh_or_model_size, int) else _axis_size(mesh_or_model_size, MODEL)
     if m <= 1:
         return []
+
+    def on(axis):  # the weights (from the table) with a dimension on this logical axis
+        return ", ".join(w.name for w in llama.WEIGHTS if axis in w.logical_axes and w.quant_axis is not None
+                         and w.present(cfg))
+
     notes = []
     if cfg.num_heads % m:
-        notes.append(f"attention heads ({cfg.num_heads}: wq, wo)")
+        notes.append(f"attention heads ({cfg.num_heads}: {on('heads')})")
     if cfg.num_kv_heads % m:
-        notes.append(f"KV heads ({cfg.num_kv_heads}: wk, wv, KV cache)")
+        notes.append(f"KV heads ({cfg.num_kv_heads}: {on('kv_heads')}, KV cache)")
     if cfg.intermediate_size % m:
-        notes.append(f"MLP hidden ({cfg.intermediate_size}: w_gate, w_up, w_down)")
+        notes.append(f"MLP hidden ({cfg.intermediate_size}: {on('mlp')})")
     if cfg.vocab_size % m:
-        notes.append(f"vocabulary ({cfg.vocab_size}: embedding, LM head)")
+        notes.append(f"vocabulary ({cfg.vocab_size}: {on('vocab')})")
     return notes
 
 
@@ -436,8 +442,6 @@ def state_shardings(prog, state, mesh: Mesh):
     """Shardings for a :class:`specjax.runtime.decoder.DecodeState` (arrays or shapes): per-row arrays on
     ``data``, the target cache by the target config, a draft model's cache by its own config,
     scalars replicated."""
-    from specjax.models import llama
-
     b = state.lengths.shape[0]
 
     def by_row(x):
