@@ -40,7 +40,8 @@ import time
 import types
 
 from specjax.eval.bench import (MethodSpec, _json_default, baselines, check_out_path, machine_info, make_batches,
-                           markdown_tables, select_prompts, split_categories, summarize, write_json)
+                           select_prompts, split_categories, summarize, write_json)
+from specjax.eval.report import markdown_tables
 
 
 def _import_transformers():

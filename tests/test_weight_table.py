@@ -256,3 +256,17 @@ def test_eagle_block_is_the_model_block():
     y2, _, _ = llama.decoder_block(tp["layer"], jnp.take(emb, ids, axis=0), pos, cache.k[0], cache.v[0], lcfg)
     np.testing.assert_array_equal(np.asarray(h), np.asarray(llama.rms_norm(y2, params["final_norm"][...],
                                                                             lcfg.rms_norm_eps)))
+
+
+def test_num_params_from_the_table():
+    """llama.num_params (from the table) == the leaves of an initialised model."""
+    import jax
+    import numpy as np
+
+    from conftest import tiny_config
+    from specjax.models import llama
+
+    for kw in ({}, {"tie_word_embeddings": True}, {"attention_bias": True}):
+        cfg = tiny_config(**kw)
+        _, params = llama.init_model(cfg)
+        assert llama.num_params(cfg) == sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))

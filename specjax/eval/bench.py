@@ -43,7 +43,6 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from specjax.eval.report import markdown_tables  # noqa: F401  (re-exported: its home was here)
 from specjax.runtime.stats import RunStats
 from specjax.runtime.settings import DecodeSettings
 

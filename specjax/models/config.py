@@ -79,19 +79,6 @@ class ModelConfig:
         if self.head_dim % 2:
             raise UnsupportedModelError(f"head_dim={self.head_dim} is odd; RoPE needs an even head_dim.")
 
-    @property
-    def num_params(self) -> int:
-        """Number of parameters (the tied head counted once)."""
-        d, f, hd = self.hidden_size, self.intermediate_size, self.head_dim
-        attn = d * hd * (self.num_heads * 2 + self.num_kv_heads * 2)
-        if self.attention_bias:
-            attn += hd * (self.num_heads + 2 * self.num_kv_heads)
-        if self.attention_out_bias:
-            attn += d
-        layer = attn + 3 * d * f + 2 * d
-        head = 0 if self.tie_word_embeddings else d * self.vocab_size
-        return self.vocab_size * d + self.num_layers * layer + d + head
-
     def rope_inv_freq(self) -> np.ndarray:
         """RoPE inverse frequencies ``[head_dim // 2]`` float32, with ``rope_scaling`` applied
         (``llama3``: Llama 3.1 frequency-dependent scaling; ``linear``: positions / factor)."""

@@ -175,6 +175,16 @@ def layer_weights(cfg: ModelConfig) -> tuple[WeightSpec, ...]:
     return tuple(s for s in WEIGHTS if s.per_layer and s.present(cfg))
 
 
+def num_params(cfg: ModelConfig) -> int:
+    """Number of parameters of a model with config ``cfg`` (a tied head counted once), from
+    :data:`WEIGHTS`."""
+    total = 0
+    for spec in WEIGHTS:
+        if spec.present(cfg):
+            total += int(np.prod(spec.shape(cfg))) * (cfg.num_layers if spec.per_layer else 1)
+    return total
+
+
 def matmul_weights() -> tuple[str, ...]:
     """Names of the matmul weights (int8-quantized in the int8 format), from :data:`WEIGHTS`."""
     return tuple(s.name for s in WEIGHTS if s.quant_axis is not None)

@@ -42,7 +42,6 @@ import re
 import sys
 import weakref
 from collections.abc import Mapping
-from typing import Any
 
 import jax
 import numpy as np
