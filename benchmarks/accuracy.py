@@ -11,7 +11,8 @@ import collections
 import json
 import sys
 
-from specjax.api import encode_prompts, read_prompts
+from specjax.api import encode_prompts
+from specjax.io.prompts import read_prompts
 from specjax.eval.formats import accuracy_report, format_report
 from specjax.io.loading import load_model
 

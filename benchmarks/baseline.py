@@ -106,7 +106,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="print the JSON on stdout (no table)")
     args = ap.parse_args(argv)
 
-    from specjax.api import read_prompts
+    from specjax.io.prompts import read_prompts
     from specjax.cli import UsageError
 
     try:

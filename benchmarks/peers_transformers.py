@@ -355,7 +355,7 @@ def run_peers(prompts, args) -> dict:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from specjax.api import read_prompts
+    from specjax.io.prompts import read_prompts
     from specjax.cli import UsageError
 
     try:

@@ -16,4 +16,5 @@ from specjax.models.config import CheckpointError, ModelConfig, UnsupportedModel
 from specjax.io.loading import Model, load_model  # noqa: E402
 from specjax.core.sampling import SamplingParams  # noqa: E402
 from specjax.runtime.decoder import Decoder, GenerationResult, generate, speculative_generate  # noqa: E402
-from specjax.api import encode_prompts, generate_text, load_drafter, read_prompts  # noqa: E402
+from specjax.api import encode_prompts, generate_text, load_drafter  # noqa: E402
+from specjax.io.prompts import read_prompts  # noqa: E402

@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import tomllib
 from typing import Any, Sequence
@@ -87,59 +86,6 @@ def load_drafter(spec: str | None, target: Model, dtype: str = "float32"):
     dm = load_model(spec, dtype=dtype)
     check_vocab_compatible(target.tokenizer, dm.tokenizer, target.config.vocab_size, dm.config.vocab_size)
     return ModelDrafter.from_model(dm, name=os.path.basename(os.path.normpath(spec)))
-
-
-def read_prompts(path: str) -> list[dict]:
-    """Read a JSONL prompts file: each line an object with ``prompt`` (a string) or Spec-Bench
-    ``turns`` (a list of strings; the first turn is used). Optional: ``question_id``, ``category``.
-
-    Returns a list of dicts ``{"prompt", "question_id", "category"}``.
-
-    Raises:
-      ValueError: naming the file and line of an empty file, invalid JSON, a missing or
-        wrongly typed ``prompt``/``turns`` field, or an empty prompt.
-    """
-    if not os.path.exists(path):
-        raise ValueError(f"prompts file not found: {path}")
-    if os.path.isdir(path):
-        raise ValueError(f"--prompts {path} is a directory; give a JSONL file")
-    out = []
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            try:  # a UTF-8 byte-order mark on the first line is accepted
-                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid UTF-8 (byte {e.start + 1} of the line); "
-                                 "save the file as UTF-8") from None
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}); each line must be one JSON object") from None
-            if not isinstance(obj, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object with 'prompt' or 'turns'")
-            if "prompt" in obj:
-                text = obj["prompt"]
-                if not isinstance(text, str):
-                    raise ValueError(f"{path}:{lineno}: 'prompt' must be a string")
-            elif "turns" in obj:
-                turns = obj["turns"]
-                if not isinstance(turns, list) or not turns or not isinstance(turns[0], str):
-                    raise ValueError(f"{path}:{lineno}: 'turns' must be a non-empty list of strings")
-                text = turns[0]
-            else:
-                raise ValueError(f"{path}:{lineno}: missing field 'prompt' (a string) or 'turns' (Spec-Bench)")
-            if not text.strip():
-                raise ValueError(f"{path}:{lineno}: the prompt is empty")
-            qid = obj.get("question_id", len(out))
-            if isinstance(qid, (list, dict)):
-                raise ValueError(f"{path}:{lineno}: 'question_id' must be a number or a string")
-            out.append({"prompt": text, "question_id": qid,
-                        "category": str(obj.get("category", "all"))})
-    if not out:
-        raise ValueError(f"{path}: no prompts in the file (it is empty)")
-    return out
 
 
 def encode_prompts(target: Model, texts: Sequence[str], chat: bool, parse_special: bool = True) -> list[list[int]]:
@@ -311,30 +257,37 @@ def generate_text(
         raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")
     ids = encode_prompts(target, prompts, chat, parse_special=parse_special)
     dec = decoder or Decoder(target, drafter, gamma, progress=progress)
-    tok = target.tokenizer
     per_row_stops = stop_token_ids is not None and len(stop_token_ids) > 0 and all(
         isinstance(x, (list, tuple)) for x in stop_token_ids)
     results = []
     for rows in settings.batches(len(ids)):
-        start = rows.start
-        chunk = ids[start:rows.stop]
-        streams = [TextStream(tok, stop) for _ in chunk]
-        stop_fn = (lambda i, toks: stop_cut(tok, toks, stop)) if stop else None
-        on_chunk = None if on_text is None else _text_callback(on_text, streams, start)
-        r = dec.generate(chunk, max_new_tokens=settings.max_new_tokens, sampling=settings.sampling(len(chunk)),
-                         seed=settings.seed, seed_offset=start, eos_ids=settings.eos_ids(), stop_fn=stop_fn,
-                         on_chunk=on_chunk, logprobs=logprobs,
-                         stop_token_ids=stop_token_ids[start:rows.stop] if per_row_stops else stop_token_ids)
-        for j in range(len(chunk)):
-            out = _row_result(tok, stop, r, j)
-            if on_text is not None:
-                rest = streams[j].feed([], final=True)
-                if rest:
-                    on_text(start + j, rest)
-            results.append(out)
-            if on_done is not None:
-                on_done(start + j, out)
+        stop_ids = stop_token_ids[rows.start:rows.stop] if per_row_stops else stop_token_ids
+        results += _generate_batch(dec, target.tokenizer, ids, rows, settings, stop, stop_ids, logprobs,
+                                   on_text, on_done)
     return results
+
+
+def _generate_batch(dec, tok, ids, rows: range, settings: DecodeSettings, stop, stop_ids, logprobs, on_text,
+                    on_done) -> list[dict]:
+    """:func:`generate_text` for the prompts ``ids[rows]`` decoded as one batch."""
+    chunk = ids[rows.start:rows.stop]
+    streams = [TextStream(tok, stop) for _ in chunk]
+    stop_fn = (lambda i, toks: stop_cut(tok, toks, stop)) if stop else None
+    on_chunk = None if on_text is None else _text_callback(on_text, streams, rows.start)
+    r = dec.generate(chunk, max_new_tokens=settings.max_new_tokens, sampling=settings.sampling(len(chunk)),
+                     seed=settings.seed, seed_offset=rows.start, eos_ids=settings.eos_ids(), stop_fn=stop_fn,
+                     on_chunk=on_chunk, logprobs=logprobs, stop_token_ids=stop_ids)
+    out = []
+    for j in range(len(chunk)):
+        res = _row_result(tok, stop, r, j)
+        if on_text is not None:
+            rest = streams[j].feed([], final=True)
+            if rest:
+                on_text(rows.start + j, rest)
+        out.append(res)
+        if on_done is not None:
+            on_done(rows.start + j, res)
+    return out
 
 
 def _settings(settings: DecodeSettings | None, kw: dict) -> DecodeSettings:

@@ -13,6 +13,7 @@ import pickle
 import pytest
 from conftest import FakeStdin, tiny_model
 
+import specjax
 from specjax import api, cli
 from specjax.cli import common
 from specjax.io import loading
@@ -251,7 +252,7 @@ def test_debug_reraises(f, monkeypatch):
 def test_bom_prompts_file_accepted(tmp_path):
     p = tmp_path / "bom.jsonl"
     p.write_bytes(b'\xef\xbb\xbf{"prompt": "caf\xc3\xa9"}\n')
-    assert api.read_prompts(str(p))[0]["prompt"] == "café"
+    assert specjax.read_prompts(str(p))[0]["prompt"] == "café"
     from specjax.train.records import read_records
 
     assert read_records(str(p))[0]["turns"] == ["café"]

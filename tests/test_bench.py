@@ -181,7 +181,7 @@ def test_peers_transformers_same_schema(tiny_dir, tmp_path, capsys, monkeypatch)
 
 
 def test_split_keeps_the_listed_question_ids(tmp_path):
-    from specjax.api import read_prompts
+    from specjax.io.prompts import read_prompts
     from specjax.eval.bench import filter_split
 
     prompts = read_prompts(_spec_bench(tmp_path))

@@ -742,7 +742,8 @@ def test_ngram_summarization_mean_accepted_tokens(default_model):
     summarization: τ = total new tokens ÷ total target calls ≥ 1.5 (the mean over prompts of
     the per-prompt τ is printed too). All 40 prompts with SPECJAX_FULL_GATES=1 (minutes on
     2 cores: 30k prompt tokens to prefill); otherwise the 5 shortest (one batch)."""
-    from specjax.api import encode_prompts, read_prompts
+    from specjax.api import encode_prompts
+    from specjax.io.prompts import read_prompts
 
     items = [p for p in read_prompts(SPEC_BENCH) if p["category"] == "summarization"]
     assert len(items) == 40

@@ -155,7 +155,8 @@ def test_tiny_greedy_speculative_equals_autoregressive(fmt):
 # ----------------------------------------------------------------- real default model
 @pytest.fixture(scope="module")
 def real_prompts(default_model):
-    from specjax.api import encode_prompts, read_prompts
+    from specjax.api import encode_prompts
+    from specjax.io.prompts import read_prompts
 
     rows = read_prompts(_bench_file())
     seen, picked = set(), []

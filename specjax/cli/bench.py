@@ -51,7 +51,8 @@ def register_cli(subparsers) -> None:
 
 
 def cmd_bench(args) -> int:
-    from specjax.api import load_pair_config, read_prompts
+    from specjax.api import load_pair_config
+    from specjax.io.prompts import read_prompts
     from specjax.runtime.settings import DecodeSettings
 
     check_out_path(args.out, args.force)

@@ -216,7 +216,7 @@ def parse_gamma(value, default=4) -> int | str:
 
 
 def collect_prompts(args) -> list[dict]:
-    from specjax.api import read_prompts
+    from specjax.io.prompts import read_prompts
 
     prompts = []
     if getattr(args, "prompt_pos", None) is not None:

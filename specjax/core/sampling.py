@@ -73,6 +73,30 @@ def _top_p_bits(bits: jax.Array, weights: jax.Array, target: jax.Array) -> jax.A
     return lo
 
 
+def _filter_top_k_top_p(s, top_k, top_p, use_k, use_p):
+    """``s [..., V]`` probabilities restricted to the top-k set, then the top-p set inside it,
+    renormalized (see :func:`process_logits`; rows with ``use_k``/``use_p`` false are kept)."""
+    vocab = s.shape[-1]
+    bits = lax.bitcast_convert_type(s, jnp.int32)  # monotone: s >= 0
+
+    def top_k_keep(_):
+        k = jnp.where(use_k, top_k, vocab)
+        return bits >= _kth_largest_bits(bits, k)[..., None]
+
+    keep = lax.cond(jnp.any(use_k), top_k_keep, lambda _: jnp.ones(s.shape, bool), None)
+
+    def top_p_keep(keep):
+        w = jnp.where(keep, s, 0.0)
+        total = jnp.sum(w, axis=-1)
+        target = jnp.where(use_p, top_p * total, total)
+        tau = _top_p_bits(bits, w, jnp.minimum(target, total))
+        return keep & ((bits >= tau[..., None]) | ~use_p[..., None])
+
+    keep = lax.cond(jnp.any(use_p), top_p_keep, lambda keep: keep, keep)
+    w = jnp.where(keep, s, 0.0)
+    return w / jnp.sum(w, axis=-1, keepdims=True)
+
+
 def process_logits(
     logits: jax.Array,
     temperature: Any,
@@ -135,29 +159,7 @@ def process_logits(
     use_k = (top_k > 0) & (top_k < vocab) & ~greedy
     use_p = (top_p < 1.0) & ~greedy
 
-    def filtered(s):
-        bits = lax.bitcast_convert_type(s, jnp.int32)  # monotone: s >= 0
-
-        def top_k_keep(_):
-            k = jnp.where(use_k, top_k, vocab)
-            return bits >= _kth_largest_bits(bits, k)[..., None]
-
-        keep = lax.cond(
-            jnp.any(use_k), top_k_keep, lambda _: jnp.ones(s.shape, bool), None
-        )
-
-        def top_p_keep(keep):
-            w = jnp.where(keep, s, 0.0)
-            total = jnp.sum(w, axis=-1)
-            target = jnp.where(use_p, top_p * total, total)
-            tau = _top_p_bits(bits, w, jnp.minimum(target, total))
-            return keep & ((bits >= tau[..., None]) | ~use_p[..., None])
-
-        keep = lax.cond(jnp.any(use_p), top_p_keep, lambda keep: keep, keep)
-        w = jnp.where(keep, s, 0.0)
-        return w / jnp.sum(w, axis=-1, keepdims=True)
-
-    s = lax.cond(jnp.any(use_k | use_p), filtered, lambda s: s, s)
+    s = lax.cond(jnp.any(use_k | use_p), lambda s: _filter_top_k_top_p(s, top_k, top_p, use_k, use_p), lambda s: s, s)
     one_hot = jax.nn.one_hot(jnp.argmax(z, axis=-1), vocab, dtype=jnp.float32)
     return jnp.where(greedy[..., None], one_hot, s)
 

@@ -416,7 +416,7 @@ def run_bench(
     """Run the benchmark; returns ``{"config", "methods", "prompts"}`` (see module docstring).
 
     Args:
-      prompts: records ``{"prompt", "question_id", "category"}`` (:func:`specjax.api.read_prompts`).
+      prompts: records ``{"prompt", "question_id", "category"}`` (:func:`specjax.io.prompts.read_prompts`).
       settings: sampling, ``max_new_tokens``, seed, ``batch_size`` (prompts per batch, never
         mixing categories; ``None``: a category at once), ``ignore_eos`` (default
         ``DecodeSettings(batch_size=1)``). Prompt i uses request key ``fold_in(seed_key(seed), i)``.

@@ -243,8 +243,7 @@ def _round(prog: Program, tparams, dparams, st: DecodeState) -> DecodeState:
     """One round for every row: a speculative round (drafter → one target call →
     acceptance → commit), or a plain one-token step when nothing can be accepted.
 
-    Counters count only what is committed: when an EOS lands on an accepted draft token,
-    the drafts after it are neither accepted, checked nor offered (``accepted ≤ new``)."""
+    Counters count only what is committed (:func:`_count`)."""
     b = st.lengths.shape[0]
     g = prog.gamma
     width = prog.block
@@ -300,9 +299,27 @@ def _round(prog: Program, tparams, dparams, st: DecodeState) -> DecodeState:
             jnp.any(allowed > 0), spec, no_match, st, prop.state
         )
     tokens, lengths, new, done, count = _commit(st, chunk, n + 1)
+    stats, emit_info, emit_round = _count(prog, st, n, allowed, count, new)
+    logprobs = st.logprobs
+    if lps is not None:
+        logprobs = Logprobs(*(_write_rows(buf, v, st.lengths) for buf, v in
+                              zip((logprobs.token, logprobs.top_ids, logprobs.top_logprobs), lps)))
+    cache = dataclasses.replace(cache, lengths=lengths - 1)
+    return dataclasses.replace(
+        st, tokens=tokens, lengths=lengths, done=done, round=st.round + 1, target_cache=cache,
+        drafter_state=dstate, target_hidden=hidden, last_accepted=n, stats=stats,
+        emit_round=emit_round, emit_info=emit_info, logprobs=logprobs,
+    )
 
-    # Count only committed tokens: an EOS on an accepted draft (count <= n) ends the round there.
-    a = active.astype(jnp.int32)
+
+def _count(prog: Program, st: DecodeState, n, allowed, count, new):
+    """The round's counters and per-token record, counting only committed tokens: an EOS on
+    an accepted draft (``count <= n``) ends the round's counts there (the drafts up to it are
+    offered, checked and accepted; nothing after it). ``n``, ``allowed``, ``count``, ``new``:
+    ``[B]`` int32 accepted drafts, drafts allowed, tokens committed, new tokens so far.
+    Returns ``(Stats, emit_info [B, L], emit_round [B, L])``."""
+    b, width = st.lengths.shape[0], prog.block
+    a = (~st.done).astype(jnp.int32)
     cut = count <= n
     accepted = jnp.where(cut, count, n) * a
     rejected = ((n < allowed) & ~cut).astype(jnp.int32) * a
@@ -321,16 +338,7 @@ def _round(prog: Program, tparams, dparams, st: DecodeState) -> DecodeState:
             + 2 * rejected[:, None] + 4 * drafted[:, None])
     emit_info = _write_rows(st.emit_info, info, st.lengths)
     emit_round = _write_rows(st.emit_round, jnp.broadcast_to(st.round, (b, width)).astype(jnp.int32), st.lengths)
-    logprobs = st.logprobs
-    if lps is not None:
-        logprobs = Logprobs(*(_write_rows(buf, v, st.lengths) for buf, v in
-                              zip((logprobs.token, logprobs.top_ids, logprobs.top_logprobs), lps)))
-    cache = dataclasses.replace(cache, lengths=lengths - 1)
-    return dataclasses.replace(
-        st, tokens=tokens, lengths=lengths, done=done, round=st.round + 1, target_cache=cache,
-        drafter_state=dstate, target_hidden=hidden, last_accepted=n, stats=stats,
-        emit_round=emit_round, emit_info=emit_info, logprobs=logprobs,
-    )
+    return stats, emit_info, emit_round
 
 
 def _run(prog: Program, tparams, dparams, st: DecodeState, round_limit) -> DecodeState:

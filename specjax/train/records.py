@@ -9,6 +9,7 @@ from collections import defaultdict
 
 import numpy as np
 
+from specjax.io.prompts import jsonl_objects
 from specjax.train.common import DistillError
 
 
@@ -24,44 +25,26 @@ def read_records(path: str) -> list[dict]:
       ValueError: naming ``path:line``: missing file, a directory, not UTF-8, not JSON, not an
         object, a bad ``ids``/``turns``/``prompt`` value, or no prompts at all.
     """
-    if not os.path.exists(path):
-        raise ValueError(f"prompts file not found: {path}")
-    if os.path.isdir(path):
-        raise ValueError(f"--prompts {path} is a directory; give a JSONL file")
     out = []
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            try:  # a UTF-8 byte-order mark on the first line is accepted
-                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid UTF-8 (byte {e.start + 1} of the line); "
-                                 "save the file as UTF-8") from None
-            if not line.strip():
-                continue
-            try:
-                o = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}); each line must be one JSON object") from None
-            if not isinstance(o, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object with 'ids', 'turns' or 'prompt'")
-            rec = {"question_id": o.get("question_id", len(out)), "category": str(o.get("category", "all"))}
-            if "ids" in o:
-                if not isinstance(o["ids"], list) or not o["ids"] or not all(
-                        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in o["ids"]):
-                    raise ValueError(f"{path}:{lineno}: 'ids' must be a non-empty list of token ids (integers >= 0)")
-                rec["ids"] = [int(i) for i in o["ids"]]
-            elif "turns" in o:
-                t = o["turns"]
-                if not isinstance(t, list) or not t or not all(isinstance(x, str) and x.strip() for x in t):
-                    raise ValueError(f"{path}:{lineno}: 'turns' must be a non-empty list of non-empty strings")
-                rec["turns"] = list(t)
-            elif "prompt" in o:
-                if not isinstance(o["prompt"], str) or not o["prompt"].strip():
-                    raise ValueError(f"{path}:{lineno}: 'prompt' must be a non-empty string")
-                rec["turns"] = [o["prompt"]]
-            else:
-                raise ValueError(f"{path}:{lineno}: need 'ids', 'turns' or 'prompt'")
-            out.append(rec)
+    for lineno, o in jsonl_objects(path, "'ids', 'turns' or 'prompt'"):
+        rec = {"question_id": o.get("question_id", len(out)), "category": str(o.get("category", "all"))}
+        if "ids" in o:
+            if not isinstance(o["ids"], list) or not o["ids"] or not all(
+                    isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in o["ids"]):
+                raise ValueError(f"{path}:{lineno}: 'ids' must be a non-empty list of token ids (integers >= 0)")
+            rec["ids"] = [int(i) for i in o["ids"]]
+        elif "turns" in o:
+            t = o["turns"]
+            if not isinstance(t, list) or not t or not all(isinstance(x, str) and x.strip() for x in t):
+                raise ValueError(f"{path}:{lineno}: 'turns' must be a non-empty list of non-empty strings")
+            rec["turns"] = list(t)
+        elif "prompt" in o:
+            if not isinstance(o["prompt"], str) or not o["prompt"].strip():
+                raise ValueError(f"{path}:{lineno}: 'prompt' must be a non-empty string")
+            rec["turns"] = [o["prompt"]]
+        else:
+            raise ValueError(f"{path}:{lineno}: need 'ids', 'turns' or 'prompt'")
+        out.append(rec)
     if not out:
         raise ValueError(f"{path}: no prompts in the file (it is empty)")
     return out
