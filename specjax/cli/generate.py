@@ -57,8 +57,9 @@ def cmd_generate(args) -> int:
 
         mesh = sharding.MeshSpec.parse(args.mesh)
     progress = None if os.environ.get("SPECJAX_NO_PROGRESS") else Progress()
-    with phase(progress, f"loading {s['model'] or 'the default model (SmolLM2-135M-Instruct)'}"
-                         + (f" and drafter {s['draft']}" if s["draft"] not in (None, "none") else "")
+    model = "the default model (SmolLM2-135M-Instruct)" if s["model"] in (None, "default") else s["model"]
+    draft = {"default": "its shipped drafter"}.get(s["draft"], f"drafter {s['draft']}")
+    with phase(progress, f"loading {model}" + (f" and {draft}" if s["draft"] not in (None, "none") else "")
                          + f" ({s['dtype']})"):
         target, drafter = load_target_and_drafter(s, mesh=mesh)
     if gamma == "auto":
