@@ -101,7 +101,7 @@ def add_model_args(p: argparse.ArgumentParser, multi_draft: bool = False, mesh: 
     p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0 = off)")
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1] (1 = off)")
-    p.add_argument("--seed", type=int, default=0, help="request seed (prompt i uses fold_in(seed, i))")
+    p.add_argument("--seed", type=int, default=0, help="request seed, an integer in [0, 2**64) (prompt i uses fold_in(key(seed), i); default 0)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="wrap prompts in the model's chat template (generate: on when the model has one; "
                         "--no-chat sends raw text)")
