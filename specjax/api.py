@@ -19,6 +19,7 @@ from specjax.runtime.settings import DecodeSettings
 from specjax.runtime.stats import RunStats
 from specjax.drafters.model import ModelDrafter, check_vocab_compatible
 from specjax.drafters.ngram import NgramDrafter
+from specjax.io.files import read_utf8
 from specjax.io.loading import Model, load_model
 
 DRAFT_CHOICES = "none, ngram[:N], default, or a drafter PATH_OR_ID"
@@ -324,7 +325,7 @@ def _row_result(tok, stop, r, j: int) -> dict:
 def load_pair_config(name_or_path: str) -> dict[str, Any]:
     """Read a target/drafter pair config (TOML): a path, or the name of a shipped config
     (``configs/NAME.toml``). Keys: ``model``, ``draft``, ``gamma``, ``temperature``, ``top_k``,
-    ``top_p``, ``max_new_tokens``, ``dtype``, ``draft_dtype``, ``chat``.
+    ``top_p``, ``max_new_tokens``, ``dtype``, ``draft_dtype``, ``chat``, ``parse_special``, ``description``.
 
     Raises:
       ValueError: file not found (lists the shipped configs), or unknown keys.
@@ -343,17 +344,13 @@ def load_pair_config(name_or_path: str) -> dict[str, Any]:
         path = str(cand)
     if os.path.isdir(path):
         raise ValueError(f"--config {path} is a directory; give a .toml file or a shipped config name")
-    with open(path, "rb") as f:
-        data = f.read()
+    text = read_utf8(path, ValueError, "save the config as UTF-8")
     try:
-        cfg = tomllib.loads(data.decode("utf-8-sig"))
-    except UnicodeDecodeError as e:
-        line = data[: e.start].count(b"\n") + 1
-        raise ValueError(f"{path}:{line}: not valid UTF-8; save the config as UTF-8") from None
+        cfg = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"{path}: not valid TOML ({e}); fix the syntax") from None
     allowed = {"model", "draft", "gamma", "temperature", "top_k", "top_p", "max_new_tokens", "dtype",
-               "draft_dtype", "chat", "description"}
+               "draft_dtype", "chat", "parse_special", "description"}
     unknown = set(cfg) - allowed
     if unknown:
         raise ValueError(f"config {name_or_path!r}: unknown key(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
@@ -393,5 +390,6 @@ _CONFIG_TYPES = {  # key: (check, expected type as the error says it)
     "dtype": (lambda v: v in _DTYPES, f"one of {', '.join(_DTYPES)}"),
     "draft_dtype": (lambda v: v in _DTYPES, f"one of {', '.join(_DTYPES)}"),
     "chat": (lambda v: isinstance(v, bool), "true or false"),
+    "parse_special": (lambda v: isinstance(v, bool), "true or false"),
     "description": (lambda v: isinstance(v, str), "a string"),
 }

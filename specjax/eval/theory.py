@@ -84,18 +84,19 @@ def _check_gamma(gamma: Any) -> np.ndarray:
     return g
 
 
-def _check_c(c: Any) -> np.ndarray:
-    a = _arr(c)
+def _check_nonneg(name: str, x: Any) -> np.ndarray:
+    a = _arr(x)
     if not np.all(np.isfinite(a) & (a >= 0.0)):
-        raise ValueError(f"c must be finite and >= 0, got {_describe(a)}")
+        raise ValueError(f"{name} must be finite and >= 0, got {_describe(a)}")
     return a
+
+
+def _check_c(c: Any) -> np.ndarray:
+    return _check_nonneg("c", c)
 
 
 def _check_mu(mu: Any) -> np.ndarray:
-    a = _arr(mu)
-    if not np.all(np.isfinite(a) & (a >= 0.0)):
-        raise ValueError(f"mu must be finite and >= 0, got {_describe(a)}")
-    return a
+    return _check_nonneg("mu", mu)
 
 
 def _check_v(v: Any) -> np.ndarray:

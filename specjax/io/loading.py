@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from specjax.models.config import CheckpointError, ModelConfig, UnsupportedModelError
+from specjax.io.files import read_utf8
 from specjax.io.tokenizer import Tokenizer
 from specjax.models import llama
 from specjax.models.llama import flatten_params as _flat, unflatten_params as _unflat, weight_format as _dtype
@@ -251,12 +252,8 @@ def load_model(
         model = load_model(path_or_id, dtype=dtype, place=sharding.Placer(mesh))
         sharding.warn_replicated(model.config, mesh, name=f"{model.name or 'target'} on mesh {sharding.mesh_str(mesh)}")
         return model
-    if path_or_id in (None, DEFAULT_MODEL):
-        path_or_id = default_model_path()
-    path = os.path.expanduser(str(path_or_id))
+    path_or_id, path = _local_path(path_or_id)
     if path.endswith(".gguf"):
-        if not os.path.isfile(path):
-            raise CheckpointError(f"model file not found: {path}")
         from specjax.io import gguf as gguf_loader
 
         reader = gguf_loader.open_gguf(path)
@@ -308,12 +305,8 @@ def load_tokenizer(path_or_id: str | None = None) -> Tokenizer | None:
     Raises:
       CheckpointError: missing path, unreadable GGUF, unsupported GGUF tokenizer or pre-tokenizer.
     """
-    if path_or_id in (None, DEFAULT_MODEL):
-        path_or_id = default_model_path()
-    path = os.path.expanduser(str(path_or_id))
+    path_or_id, path = _local_path(path_or_id)
     if path.endswith(".gguf"):
-        if not os.path.isfile(path):
-            raise CheckpointError(f"model file not found: {path}")
         from specjax.io import gguf as gguf_loader
 
         return Tokenizer.from_gguf(gguf_loader.open_gguf(path))
@@ -324,17 +317,23 @@ def load_tokenizer(path_or_id: str | None = None) -> Tokenizer | None:
     return Tokenizer.from_dir(path) if os.path.exists(os.path.join(path, "tokenizer.json")) else None
 
 
+def _local_path(path_or_id):
+    """``(path_or_id, path)``: the default model's GGUF for ``None``/``"default"``, ``~``
+    expanded. Raises :class:`CheckpointError` for a ``.gguf`` path that is not a file."""
+    if path_or_id in (None, DEFAULT_MODEL):
+        path_or_id = default_model_path()
+    path = os.path.expanduser(str(path_or_id))
+    if path.endswith(".gguf") and not os.path.isfile(path):
+        raise CheckpointError(f"model file not found: {path}")
+    return path_or_id, path
+
+
 def _read_hf_config(cfg_file: str) -> ModelConfig:
     """``ModelConfig`` from a ``config.json``; a file that is not UTF-8 JSON, not an object, or
     lacks / mistypes a key raises :class:`CheckpointError` naming the file (and the line)."""
-    with open(cfg_file, "rb") as f:
-        raw = f.read()
+    text = read_utf8(cfg_file, CheckpointError, "re-download or re-save the checkpoint")
     try:
-        d = json.loads(raw.decode("utf-8-sig"))
-    except UnicodeDecodeError as e:
-        line = raw[: e.start].count(b"\n") + 1
-        raise CheckpointError(f"{cfg_file}:{line}: not valid UTF-8; "
-                              "re-download or re-save the checkpoint") from None
+        d = json.loads(text)
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{cfg_file}:{e.lineno}: not valid JSON ({e.msg}, column {e.colno}); "
                               "fix the file or re-download the checkpoint") from None
