@@ -4,7 +4,6 @@ seed, batching, EOS), validated once and passed whole instead of repeated keywor
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from specjax.core.sampling import SamplingParams
 from specjax.runtime.decoder import SEED_LIMIT
@@ -36,12 +35,7 @@ class DecodeSettings:
         if isinstance(self.max_new_tokens, bool) or int(self.max_new_tokens) != self.max_new_tokens \
                 or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {self.temperature!r}")
-        if int(self.top_k) != self.top_k or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
+        self.sampling(1)  # the sampling ranges, defined once (SamplingParams.create)
         if isinstance(self.seed, bool) or int(self.seed) != self.seed or not 0 <= self.seed < SEED_LIMIT:
             raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
         if self.batch_size is not None and (int(self.batch_size) != self.batch_size or self.batch_size < 1):
