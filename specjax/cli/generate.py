@@ -62,9 +62,7 @@ def cmd_generate(args) -> int:
     with phase(progress, f"loading {model}" + (f" and {draft}" if s["draft"] not in (None, "none") else "")
                          + f" ({s['dtype']})"):
         target, drafter = load_target_and_drafter(s, mesh=mesh)
-    if gamma == "auto":
-        if drafter is None:
-            raise UsageError("--gamma auto needs a drafter (--draft)")
+    if gamma == "auto":  # resolve() already refused --gamma auto without a drafter
         from specjax.eval import measure
 
         with phase(progress, "measuring α, c and v(γ) for --gamma auto"):

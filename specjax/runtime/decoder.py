@@ -337,13 +337,23 @@ class Decoder:
         _check_rounds_per_chunk(rounds_per_chunk)
         prog, st, c, prefill_s = self.start(prompts, **kw)
         decode_s, cuts = 0.0, {}
+        for st, newly, dt in self._chunks(prog, st, len(prompts), rounds_per_chunk, stop_fn, cuts):
+            decode_s += dt
+            if on_chunk is not None:
+                on_chunk(newly)
+        return self._finish(st, len(prompts), c, prefill_s, decode_s, cuts, eos)
+
+    def _chunks(self, prog, st, rows: int, rounds_per_chunk: int, stop_fn=None, cuts=None):
+        """Run ``rounds_per_chunk`` rounds at a time until every row is done; yield
+        ``(state, newly committed tokens per row, seconds)`` after each chunk. ``stop_fn`` (see
+        :meth:`generate`) may end a row at k new tokens: ``cuts[row] = k`` is recorded, its
+        tokens after k are never yielded, and the row is marked done on the device."""
+        cuts = {} if cuts is None else cuts
         hv = self._host(st)
         seen = np.asarray(hv.lengths).copy()
         plen = np.asarray(hv.prompt_lengths)
-        rows = len(prompts)
         while True:
             st, _, dt = self.run(prog, st, int(hv.round) + rounds_per_chunk)
-            decode_s += dt
             hv = self._host(st)
             lengths, toks = np.asarray(hv.lengths), np.asarray(hv.tokens)
             newly, stopped = [], []
@@ -357,16 +367,15 @@ class Decoder:
                         stopped.append(i)
                 newly.append(toks[i, seen[i]: end].tolist())
                 seen[i] = max(int(seen[i]), end)
-            if on_chunk is not None:
-                on_chunk(newly)
             done = np.asarray(hv.done).copy()
             done[list(cuts)] = True
             if stopped and not np.all(done):  # end those rows on the device too
                 mask = np.zeros(np.shape(hv.done), bool)
                 mask[stopped] = True
                 st = dataclasses.replace(st, done=st.done | jax.device_put(mask, st.done.sharding))
+            yield st, newly, dt
             if bool(np.all(done[:rows])):
-                return self._finish(st, rows, c, prefill_s, decode_s, cuts, eos)
+                return
 
     def _finish(self, st, n_rows, compile_s, prefill_s, decode_s, cuts, eos) -> GenerationResult:
         res = _result(self._host(st), compile_s, prefill_s, decode_s, cuts=cuts, model_eos=eos)
@@ -382,17 +391,8 @@ class Decoder:
         """
         _check_rounds_per_chunk(rounds_per_chunk)
         prog, st, _, _ = self.start(prompts, **kw)
-        hv = self._host(st)
-        seen = np.asarray(hv.lengths).copy()
-        while True:
-            st, _, _ = self.run(prog, st, int(hv.round) + rounds_per_chunk)
-            hv = self._host(st)
-            lengths = np.asarray(hv.lengths)
-            toks = np.asarray(hv.tokens)
-            yield [toks[i, seen[i]: lengths[i]].tolist() for i in range(len(prompts))]
-            seen = lengths.copy()
-            if bool(np.all(np.asarray(hv.done))):
-                return
+        for _, newly, _ in self._chunks(prog, st, len(prompts), rounds_per_chunk):
+            yield newly
 
 
 def _check_rounds_per_chunk(rounds_per_chunk):
