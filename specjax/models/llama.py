@@ -345,9 +345,32 @@ class KVCache:
         )
 
 
+def pairwise_sum(x, axis: int = -1):
+    """Sum over ``axis`` in a fixed order: adjacent pairs, level by level (the axis zero-padded
+    to a power of two), written as elementwise adds so XLA cannot reorder it.
+
+    The result for one row never depends on the other dimensions' sizes (the batch, the
+    number of tokens in a call), which XLA's own reductions do not promise (their
+    vectorization follows the shapes, ≈ 1e-7 apart); and appending zeros to the axis does not
+    change it (``x + 0 = x``), so a sum over a longer, zero-masked cache equals the sum over
+    the live part. Batch invariance (docs/design.md) rests on this.
+    """
+    x = jnp.moveaxis(x, axis, -1)
+    n = x.shape[-1]
+    size = 1 << max(n - 1, 0).bit_length()
+    if size != n:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - n)])
+    while x.shape[-1] > 1:
+        x = x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2)
+        x = x[..., 0] + x[..., 1]
+    return x[..., 0]
+
+
 def rms_norm(x, w, eps):
+    """RMSNorm in float32 over the last axis, with a batch-invariant sum (:func:`pairwise_sum`)."""
     x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    ms = pairwise_sum(x32 * x32) / x32.shape[-1]
+    y = x32 * jax.lax.rsqrt(ms[..., None] + eps)
     return y * w.astype(jnp.float32)
 
 
@@ -429,35 +452,47 @@ def _write(cache_arr, new, starts):
     )
 
 
-# Blocks of up to this many queries (verification calls, γ + 1 ≤ 16) attend one query at a
-# time in reduced weight formats; longer blocks (prefill) attend all queries at once.
-PER_QUERY_MAX = 16
+ATTENTION_BLOCK = 64  # cache slots per attention block (a multiple of the Decoder's buffer bucket)
 
 
-def _attention(q, k_cache, v_cache, positions, cfg: ModelConfig, per_query: bool = False):
-    """q ``[B, T, H, hd]``; caches ``[B, KV, S, hd]``; query at position t sees slots ≤ t of its row.
+def _attention(q, k_cache, v_cache, positions, cfg: ModelConfig):
+    """Causal GQA attention of ``q [B, T, H, hd]`` over this row's cache ``[B, KV, S, hd]``:
+    the query at position t sees slots ≤ t. Returns float32 ``[B, T, H·hd]``.
 
-    ``per_query``: compute each of the T queries with the shapes of a one-token call. XLA
-    CPU's batched attention dots round differently for different T (≈ 1e-7), and bf16/int8
-    activation rounding amplifies that into different tokens; per query, a token's attention
-    output is bit-identical whether it is verified in a block or decoded alone, which keeps
-    greedy speculative == greedy autoregressive within a reduced format.
+    Batch-invariant by construction (docs/design.md, "Batch invariance"): the cache is read in
+    blocks of :data:`ATTENTION_BLOCK` slots, so each dot contracts a fixed length (``hd`` for
+    the scores, 64 slots for the values) whatever ``S``, ``T`` or ``B`` is; the softmax max is
+    exact, its normalizer and the per-block value sums are combined with :func:`pairwise_sum`
+    (masked slots contribute exact zeros, so a longer buffer changes nothing). In the reduced
+    weight formats the dots take bfloat16 inputs with float32 accumulation (the products are
+    exact in float32, and XLA CPU's kernel sums them in an order that does not depend on the
+    number of rows: measured, and checked by tests/test_batch_invariance.py); in float32 they are
+    float32 dots, whose kernels do round differently for different row counts (≈ 1e-6).
     """
-    if per_query and 1 < q.shape[1] <= PER_QUERY_MAX:
-        return jnp.concatenate(
-            [_attention(q[:, i:i + 1], k_cache, v_cache, positions[:, i:i + 1], cfg) for i in range(q.shape[1])],
-            axis=1)
     b, t, h, hd = q.shape
-    kv = cfg.num_kv_heads
-    q = q.reshape(b, t, kv, h // kv, hd)
-    scores = jnp.einsum("btkgd,bksd->bkgts", q, k_cache, preferred_element_type=jnp.float32)
-    scores = scores / math.sqrt(hd)
-    slots = jnp.arange(k_cache.shape[2], dtype=jnp.int32)
-    visible = slots[None, None, None, None, :] <= positions[:, None, None, :, None]
+    kv, s = cfg.num_kv_heads, k_cache.shape[2]
+    blk = ATTENTION_BLOCK
+    pad = (-s) % blk
+    if pad:  # only for caches not built by the Decoder (its buffers are multiples of the block)
+        k_cache = jnp.pad(k_cache, ((0, 0), (0, 0), (0, pad), (0, 0)))
+        v_cache = jnp.pad(v_cache, ((0, 0), (0, 0), (0, pad), (0, 0)))
+    nb = (s + pad) // blk
+    dt = jnp.float32 if k_cache.dtype == jnp.float32 and q.dtype == jnp.float32 else jnp.bfloat16
+    qg = q.reshape(b, t, kv, h // kv, hd).transpose(0, 2, 3, 1, 4).reshape(b, kv, (h // kv) * t, hd)
+    kb = k_cache.reshape(b, kv, nb, blk, hd)
+    vb = v_cache.reshape(b, kv, nb, blk, hd)
+    scores = jnp.einsum("bkmd,bknsd->bknms", qg.astype(dt), kb.astype(dt),
+                        preferred_element_type=jnp.float32) * (1.0 / math.sqrt(hd))
+    slots = jnp.arange(nb * blk, dtype=jnp.int32).reshape(nb, 1, blk)
+    qpos = jnp.broadcast_to(positions[:, None, :], (b, h // kv, t)).reshape(b, 1, 1, (h // kv) * t, 1)
+    visible = slots[None, None] <= qpos  # [B, 1, NB, G·T, blk]
     scores = jnp.where(visible, scores, -jnp.inf)
-    w = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgts,bksd->btkgd", w.astype(v_cache.dtype), v_cache, preferred_element_type=jnp.float32)
-    return out.reshape(b, t, h * hd)
+    m = jnp.max(scores, axis=(2, 4), keepdims=True)  # exact; slot 0 is always visible
+    e = jnp.where(visible, jnp.exp(scores - m), 0.0).astype(dt)
+    denom = pairwise_sum(pairwise_sum(e.astype(jnp.float32), axis=-1), axis=2)  # [B, KV, G·T]
+    part = jnp.einsum("bknms,bknsd->bknmd", e, vb.astype(dt), preferred_element_type=jnp.float32)
+    out = pairwise_sum(part, axis=2) / denom[..., None]  # [B, KV, G·T, hd]
+    return out.reshape(b, kv, h // kv, t, hd).transpose(0, 3, 1, 2, 4).reshape(b, t, h * hd)
 
 
 def decoder_block(
@@ -468,7 +503,6 @@ def decoder_block(
     v_cache: jax.Array,
     cfg: ModelConfig,
     inv_freq=None,
-    per_query: bool = False,
 ) -> tuple[Float[Array, "batch seq hidden"], jax.Array, jax.Array]:
     """One decoder block (pre-norm GQA attention with RoPE, then SwiGLU MLP) on the residual
     stream ``h``, writing its K/V into this block's cache arrays.
@@ -484,8 +518,6 @@ def decoder_block(
       k_cache, v_cache: ``[B, KV, S, hd]`` this block's cache arrays (any float dtype).
       cfg: heads, head_dim, RoPE and RMSNorm epsilon.
       inv_freq: ``cfg.rope_inv_freq()`` if already computed (``[hd/2]``).
-      per_query: attend query by query in short blocks (see :func:`_attention`; the
-        reduced weight formats use it to keep greedy speculative == autoregressive).
 
     Returns:
       ``(h [B, T, D] float32 output of the block, k_cache, v_cache)`` with the new K/V written.
@@ -508,7 +540,7 @@ def decoder_block(
     k = rope(k, positions, inv_freq)
     kc = _write(k_cache, k.transpose(0, 2, 1, 3), starts)
     vc = _write(v_cache, v.transpose(0, 2, 1, 3), starts)
-    a = _attention(q.astype(kc.dtype), kc, vc, positions, cfg, per_query=per_query)
+    a = _attention(q if p["wq"].dtype == jnp.float32 else q.astype(jnp.bfloat16), kc, vc, positions, cfg)
     h = h + lin(a, "wo", "bo")
     x = rms_norm(h, p["mlp_norm"], cfg.rms_norm_eps)
     h = h + lin(jax.nn.silu(lin(x, "w_gate")) * lin(x, "w_up"), "w_down")
@@ -543,11 +575,9 @@ def forward(
     model = nnx.merge(graphdef, params)
     inv_freq = jnp.asarray(cfg.rope_inv_freq())
     h = embed_tokens(model, tokens)
-    reduced = model.layers[0].wq[...].dtype != jnp.float32  # bf16 / int8 weights
     new_k, new_v = [], []
     for i, layer in enumerate(model.layers):
-        h, kc, vc = decoder_block(_arrays(layer), h, positions, cache.k[i], cache.v[i], cfg,
-                                  inv_freq=inv_freq, per_query=reduced)
+        h, kc, vc = decoder_block(_arrays(layer), h, positions, cache.k[i], cache.v[i], cfg, inv_freq=inv_freq)
         new_k.append(kc)
         new_v.append(vc)
     h = rms_norm(h, model.final_norm[...], cfg.rms_norm_eps)
