@@ -77,6 +77,10 @@ step peers_transformers_t07_b1 python benchmarks/peers_transformers.py "${COMMON
 read -r -a FORMATS <<< "${DTYPES:-float32 bfloat16 int8}"
 step weight_formats_b1 specjax bench "${COMMON[@]}" --draft ngram --gamma "$GAMMA" --dtype "${FORMATS[@]}" --batch-size 1
 
+# Where the decode step's time goes, per weight format at batch 1: the decode loop per token, one
+# jitted step, blocks only, projection matmuls + head, the bandwidth floor and v(T) (minutes).
+step step_split_b1 python benchmarks/step_split.py --dtype "${FORMATS[@]}" --batch 1
+
 # What limits the speedup: α, c, v(γ) and predicted vs measured speedup, per drafter
 # (JSON from `specjax analyze --json`, rendered to markdown by the same code as the text output).
 for D in "${DRAFTS[@]}"; do

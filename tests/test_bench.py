@@ -240,3 +240,36 @@ def test_generate_text_settings_object_or_keywords(tiny_dir):
     assert all(r["stats"]["tokens_per_s"] > 0 and r["stats"]["batch_size"] == 1 for r in b)
     with pytest.raises(ValueError, match="seed"):
         specjax.generate_text(target, texts, seed=4, settings=DecodeSettings(**kw))
+
+
+def test_step_split_tiny(tmp_path, capsys):
+    """benchmarks/step_split.py on a tiny random model (--tiny): one table row and one JSON entry
+    per weight format, every column a positive time, the host line (CPU, AVX flags, jax)."""
+    import importlib.util
+    import math
+    import os
+
+    import jax
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "step_split.py")
+    spec = importlib.util.spec_from_file_location("step_split", path)
+    split = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(split)
+    out_file = tmp_path / "split.json"
+    rc = split.main(["--tiny", "--dtype", "float32", "int8", "--repeats", "1", "--tokens", "4", "--verify-tokens", "2",
+                     "--json", str(out_file)])
+    out, _ = capsys.readouterr()
+    assert rc == 0
+    res = json.loads(out_file.read_text())
+    assert list(res["formats"]) == ["float32", "int8"]
+    assert res["host"]["jax"] == jax.__version__ and res["bandwidth"]["gb_s"] > 0
+    for fmt, r in res["formats"].items():
+        for col in split.COLUMNS:
+            assert math.isfinite(r[col]) and r[col] > 0, (fmt, col, r[col])
+        assert set(r["v"]) == {"2"} and r["v"]["2"] > 0
+        assert r["matmul_count"] >= 2 * 2 + 1  # ≥ 2 projections per layer (2 layers) + the head
+        assert f"| {fmt} |" in out
+    assert res["formats"]["int8"]["weight_bytes"] < res["formats"]["float32"]["weight_bytes"]
+    assert out.startswith("host: ") and f"jax {jax.__version__}" in out and "(f) v(2)" in out
+    with pytest.raises(SystemExit):  # never overwrites
+        split.main(["--tiny", "--json", str(out_file)])

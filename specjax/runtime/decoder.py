@@ -26,6 +26,7 @@ from specjax.runtime.progress import phase
 
 PROMPT_BUCKET = 32  # smallest prompt bucket; prompts pad to the next power of two ≥ this
 BUFFER_BUCKET = 64
+STOP_IDS_BUCKET = 8  # stop-id slots per row (EOS + stop token ids) pad to a multiple of this
 
 
 @dataclasses.dataclass
@@ -110,10 +111,12 @@ def request_keys(seed: int | Sequence[int], batch: int, offset: int = 0) -> jax.
     if isinstance(seed, (list, tuple, np.ndarray)):
         if len(seed) != batch:
             raise ValueError(f"got {len(seed)} seeds for {batch} prompts; pass one per prompt or a single int")
-        return jnp.asarray(np.stack([seed_key(s) for s in seed]))
-    base = jnp.asarray(seed_key(seed))
+        # device_put is a plain transfer; jnp.asarray of a numpy array compiles a small program per
+        # shape (jax 0.10), which tests/test_compile_count.py would count as a recompilation
+        return jax.device_put(np.stack([seed_key(s) for s in seed]))
+    base = jax.device_put(seed_key(seed))
     # one vectorized fold_in (a Python loop of B eager fold_ins took 142 s for B = 4000)
-    rows = jnp.asarray(np.arange(offset, offset + batch, dtype=np.uint32))
+    rows = jax.device_put(np.arange(offset, offset + batch, dtype=np.uint32))
     return jax.vmap(lambda i: jax.random.fold_in(base, i))(rows)
 
 
@@ -402,7 +405,9 @@ def _check_rounds_per_chunk(rounds_per_chunk):
 
 def _stop_ids_array(eos: list, stop_token_ids, batch: int, vocab: int) -> np.ndarray:
     """``[B, E]`` int32 ids that end each row (−1 = unused): ``eos`` plus the stop token ids
-    (one list for all rows, or one list per row)."""
+    (one list for all rows, or one list per row). E is a shape of the compiled programs, so it
+    is padded to a multiple of ``STOP_IDS_BUCKET``: a request with a different number of stop
+    ids reuses the programs of its bucket."""
     if stop_token_ids is None or len(stop_token_ids) == 0:
         per_row = [[] for _ in range(batch)]
     elif all(isinstance(x, (list, tuple, np.ndarray)) for x in stop_token_ids):
@@ -417,7 +422,7 @@ def _stop_ids_array(eos: list, stop_token_ids, batch: int, vocab: int) -> np.nda
         for t in r:
             if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= int(t) < vocab:
                 raise ValueError(f"stop token id {t!r} is not an id of the model's vocabulary [0, {vocab})")
-    out = np.full((batch, max(1, max(len(r) for r in rows))), -1, np.int32)
+    out = np.full((batch, _bucket(max(len(r) for r in rows), STOP_IDS_BUCKET)), -1, np.int32)
     for i, r in enumerate(rows):
         out[i, : len(r)] = r
     return out
