@@ -330,6 +330,17 @@ def test_chain_of_one_child_is_the_chain_algorithm():
         assert max(err.values()) <= 1e-6, (scheme, err)
 
 
+def test_deterministic_child_worked_example():
+    """q = (0.6, 0.4), p = (0.3, 0.7), the top-1 child is token 0 (deterministic). One-hot q
+    (EAGLE-2) emits token 0 with probability 0.3 = p(0); the drafter's q would emit it with
+    min(1, 0.3/0.6) = 0.5 (the residual norm(max(0, p - q)) = (0, 1) adds nothing)."""
+    p, q = jnp.asarray([0.3, 0.7]), jnp.asarray([0.6, 0.4])
+    for scheme, want in (("deterministic", 0.3), ("without_replacement", 0.5), ("iid", 0.5)):
+        step = T.child_step(p, q, jnp.int32(0), scheme)
+        emitted = float(step.accept_prob) + (1 - float(step.accept_prob)) * float(step.p_rejected[0])
+        assert emitted == pytest.approx(want, abs=1e-7), scheme
+
+
 def test_kernels_match_a_float64_reference():
     rng = np.random.default_rng(3)
     p = rng.dirichlet(np.full(V, 0.6), 200).astype(np.float32)

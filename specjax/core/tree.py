@@ -18,11 +18,11 @@ Index conventions (used by every function):
   drawn (for ``"without_replacement"`` this matters, see :data:`SCHEMES`).
 
 Acceptance at T > 0 is recursive rejection sampling over the children of one node, then a descent
-into the accepted child (SpecInfer, Miao et al. 2024, §4 "multi-step speculative sampling",
-Algorithm 2 ``VerifyStochastic``; Recursive Speculative Decoding, Jeon et al. 2024, §3 "recursive
-rejection sampling"). Which update of ``q`` is exact depends on how the children were drawn; the
-three published cases are the ``scheme`` argument (:data:`SCHEMES`). A chain (K = 1) is Leviathan et
-al. 2023, Algorithm 1 exactly: :func:`verify_tree` on :func:`chain_tree` gives the same outputs as
+into the accepted child: multi-step speculative sampling of SpecInfer (Miao et al., ASPLOS 2024,
+Algorithm 2 ``VerifyStochastic``) and the recursive rejection sampling of Recursive Speculative
+Decoding (Jeon et al. 2024, arXiv:2402.14160). Which update of ``q`` is exact depends on how the
+children were drawn; the three published cases are the ``scheme`` argument (:data:`SCHEMES`). A
+chain (K = 1) is Leviathan et al. 2023, Algorithm 1 exactly: :func:`verify_tree` on :func:`chain_tree` gives the same outputs as
 :func:`specjax.core.acceptance.verify` for the same uniforms and keys.
 """
 
@@ -85,7 +85,7 @@ and differs only in ``q_i``, the distribution ``c_i`` is treated as drawn from:
 * ``"without_replacement"`` — children drawn sequentially WITHOUT replacement from q, i.e.
   ``c_i ~ q_i = norm(q with c_1 .. c_{i-1} removed)`` (equivalently the Gumbel-top-k order,
   Kool et al. 2019; ``torch.multinomial(q, k, replacement=False)`` as in EAGLE-1's sampled trees):
-  recursive rejection sampling of RSD (Jeon et al. 2024, §3), ``q_{i+1} = norm(q_i with c_i
+  recursive rejection sampling of RSD (Jeon et al. 2024), ``q_{i+1} = norm(q_i with c_i
   removed)``. Using ``q_i = q`` here (the "iid" rule) is NOT exact: c_i was drawn from the
   renormalized q_i.
 * ``"deterministic"`` — children that are a deterministic function of the context (EAGLE-2's
@@ -198,7 +198,7 @@ class DraftTree:
 def _max_children_np(parents: np.ndarray, valid: np.ndarray) -> int:
     best = 0
     for par, ok in zip(parents.reshape(-1, parents.shape[-1]), valid.reshape(-1, valid.shape[-1])):
-        counts = np.bincount(par[ok] + 1, minlength=1) if ok.any() else np.zeros(1, int)
+        counts = np.bincount(np.clip(par[ok] + 1, 0, None), minlength=1) if ok.any() else np.zeros(1, int)
         best = max(best, int(counts.max(initial=0)))
     return best
 
@@ -745,7 +745,7 @@ def build_dynamic_tree(
     expand_width: int,
     num_nodes: int,
 ) -> tuple[DraftTree, jax.Array]:
-    """EAGLE-2's context-aware dynamic draft tree (Li et al. 2024, §4: expansion and reranking).
+    """EAGLE-2's context-aware dynamic draft tree (Li et al. 2024, "EAGLE-2": expansion, then reranking).
 
     Candidates are scored by their path probability ``Π q`` along the path (kept as
     ``Σ log q``). Expansion phase: the root's top-``children`` tokens form level 1; for levels
@@ -790,8 +790,8 @@ def build_dynamic_tree(
     if n > pool_size:
         raise ValueError(f"num_nodes ({n}) must be <= the {pool_size} candidates K + (D-1)·W·K")
 
-    def log(x):
-        return jnp.where(x > 0, jnp.log(jnp.where(x > 0, x, 1.0)), -jnp.inf)
+    def log(x):  # <= 0 even if rounding left a probability above 1: a child never outscores its parent
+        return jnp.where(x > 0, jnp.minimum(jnp.log(jnp.where(x > 0, x, 1.0)), 0.0), -jnp.inf)
 
     values, top = lax.top_k(root_probs, k)
     tokens = jnp.zeros((batch, pool_size), jnp.int32).at[:, :k].set(top)
