@@ -69,10 +69,17 @@ class Drafter(Protocol):
 
     name: short label for stats and tables.
     params: weight pytree passed to the jitted loop as an argument (or ``None``).
+    always_proposes: ``num_valid`` is always γ (a model drafter without a confidence cut-off).
+      The loop then compiles only the γ+1-token verification call (a round with nothing
+      allowed, near ``max_new_tokens``, verifies with ``num_allowed = 0``, which is a plain
+      step's distribution); otherwise it also compiles a one-token target step for rounds
+      where no row has a draft (n-gram misses), which halves nothing there but doubles the
+      target's share of the compile.
     """
 
     name: str
     params: Any
+    always_proposes: bool
 
     def init_state(self, params, context: DraftContext, max_len: int) -> Any:
         """The drafter's state after the prompt (a pytree the loop carries), traced inside the

@@ -302,6 +302,11 @@ class EagleDrafter:
     name: str = "eagle"
     min_confidence: float = 0.0
 
+    @property
+    def always_proposes(self) -> bool:
+        """γ drafts every round unless a confidence cut-off is set (:class:`~specjax.core.drafting.Drafter`)."""
+        return self.min_confidence <= 0.0
+
     def _key(self):
         return (self.config, self.name, float(self.min_confidence))
 

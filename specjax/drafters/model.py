@@ -85,6 +85,7 @@ class ModelDrafter:
     params: Any = dataclasses.field(repr=False, default=None)
     name: str = "draft"
     cache_dtype: Any = jnp.float32
+    always_proposes = True  # γ drafts every round (see specjax.core.drafting.Drafter)
 
     def _key(self):
         return (self.config, self.graphdef, self.name, jnp.dtype(self.cache_dtype).name)

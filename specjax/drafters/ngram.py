@@ -24,6 +24,7 @@ class NgramDrafter:
     max_ngram: int = 3
     min_ngram: int = 1
     params: None = None
+    always_proposes = False  # no match, no drafts (see specjax.core.drafting.Drafter)
 
     def __post_init__(self):
         if not 1 <= self.min_ngram <= self.max_ngram:

@@ -294,10 +294,15 @@ def _round(prog: Program, tparams, dparams, st: DecodeState) -> DecodeState:
             cache, n, chunk, _, dstate, hid, lps = plain(st, dstate)
             return cache, n, chunk, jnp.zeros_like(allowed), dstate, hid, lps
 
-        # When no row can accept anything, a γ+1-token verify call would be wasted.
-        cache, n, chunk, allowed, dstate, hidden, lps = jax.lax.cond(
-            jnp.any(allowed > 0), spec, no_match, st, prop.state
-        )
+        if getattr(prog.drafter, "always_proposes", False):
+            # one target program in the loop (compile time); a round with nothing allowed
+            # verifies with num_allowed = 0, i.e. samples from p_1 like a plain step
+            cache, n, chunk, allowed, dstate, hidden, lps = spec(st, prop.state)
+        else:
+            # When no row can accept anything, a γ+1-token verify call would be wasted.
+            cache, n, chunk, allowed, dstate, hidden, lps = jax.lax.cond(
+                jnp.any(allowed > 0), spec, no_match, st, prop.state
+            )
     tokens, lengths, new, done, count = _commit(st, chunk, n + 1)
     stats, emit_info, emit_round = _count(prog, st, n, allowed, count, new)
     logprobs = st.logprobs
