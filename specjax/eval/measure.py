@@ -21,11 +21,9 @@ Prompts are records ``{"ids": [...]} | {"prompt": text}`` with optional ``catego
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import hashlib
 import json
-import os
 import statistics
 import time
 from collections import defaultdict
@@ -396,7 +394,9 @@ def measure_costs(
     }
 
 
-_COST_KEY = jax.random.PRNGKey(0)
+def _cost_rng(*salt: int) -> np.random.Generator:
+    """The inputs of a timed call: host random numbers (no device ops to compile), fixed per call kind."""
+    return np.random.default_rng([0, *salt])
 
 
 def _target_case(target, prog: Program, b: int, t: int, pos0: int, sp):
@@ -404,8 +404,8 @@ def _target_case(target, prog: Program, b: int, t: int, pos0: int, sp):
     KV cache of ``prog``'s buffer length and cache dtype (batch ``b``)."""
     cfg = target.config
     cache = llama.KVCache.create(cfg, b, prog.buffer_len, jnp.dtype(prog.cache_dtype))
-    toks = jax.random.randint(jax.random.fold_in(_COST_KEY, t), (b, t), 2, cfg.vocab_size, jnp.int32)
-    pos = jnp.broadcast_to(pos0 + jnp.arange(t, dtype=jnp.int32), (b, t))
+    toks = jnp.asarray(_cost_rng(t).integers(2, cfg.vocab_size, (b, t)), jnp.int32)
+    pos = jnp.asarray(np.broadcast_to(pos0 + np.arange(t), (b, t)), jnp.int32)
     box = [cache]
 
     def run():
@@ -417,17 +417,16 @@ def _target_case(target, prog: Program, b: int, t: int, pos0: int, sp):
 def _draft_case(cfg, drafter, buf: int, b: int, g: int, pos0: int, sp):
     """``run()``: one whole ``drafter.propose`` call of γ = ``g`` tokens (its state for a buffer
     of ``buf`` slots, donated), as in a round after a verify call."""
-    key, vocab = _COST_KEY, cfg.vocab_size
-    toks = jax.random.randint(jax.random.fold_in(key, 100 + g), (b, buf), 2, vocab, jnp.int32)
+    vocab, rng = cfg.vocab_size, _cost_rng(100 + g)
+    toks = rng.integers(2, vocab, (b, buf))
     # an n-gram drafter finds a match: repeat the context so lookups succeed as often as in text
-    toks = toks.at[:, pos0 // 2: pos0].set(toks[:, : pos0 - pos0 // 2])
-    lens = jnp.full((b,), pos0, jnp.int32)
-    zeros = jnp.zeros((b,), jnp.int32)
-    hid = 0.1 * jax.random.normal(jax.random.fold_in(key, 200 + g), (b, buf, cfg.hidden_size), jnp.float32)
-    box = [_draft_init(drafter, drafter.params, DraftContext(toks, lens, sp, hid, zeros), buf)]
+    toks[:, pos0 // 2: pos0] = toks[:, : pos0 - pos0 // 2]
+    hid = (0.1 * rng.standard_normal((b, buf, cfg.hidden_size))).astype(np.float32)
+    toks, lens, zeros = jnp.asarray(toks, jnp.int32), jnp.full((b,), pos0, jnp.int32), jnp.zeros((b,), jnp.int32)
+    box = [_draft_init(drafter, drafter.params, DraftContext(toks, lens, sp, jnp.asarray(hid), zeros), buf)]
     # a round after a verify call: γ+1 hidden states of the last target call, n = 0
-    ctx = DraftContext(toks, lens, sp, hid[:, pos0 - 1: pos0 + g], zeros)
-    keys = jax.vmap(lambda k: jax.random.split(k, g))(jax.random.split(jax.random.fold_in(key, g), b))
+    ctx = DraftContext(toks, lens, sp, jnp.asarray(hid[:, pos0 - 1: pos0 + g]), zeros)
+    keys = jnp.asarray(rng.integers(0, 2 ** 32, (b, g, 2), dtype=np.uint32))  # raw threefry keys
 
     def run():
         t, q, _, box[0] = _draft_call(drafter, drafter.params, box[0], ctx, keys, g, vocab)
@@ -436,21 +435,10 @@ def _draft_case(cfg, drafter, buf: int, b: int, g: int, pos0: int, sp):
 
 
 def _median_ms(calls: dict, warmup: int, repeats: int) -> dict:
-    """Median milliseconds per call kind: each ``run()`` warmed up ``warmup`` times (the first
-    call of every kind compiles; those first calls run in threads, so the compilations overlap
-    on a multi-core host), then all kinds timed round-robin ``repeats`` times, one at a time
-    (load drift hits every kind alike)."""
-    runs = list(calls.values())
-    workers = max(1, min(len(runs), os.cpu_count() or 1))
-    if workers > 1:
-        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            for f in [pool.submit(run) for run in runs]:
-                f.result()
-    else:
-        for run in runs:
-            run()
-    for run in runs:
-        for _ in range(max(1, int(warmup)) - 1):
+    """Median milliseconds per call kind: each ``run()`` warmed up ``warmup`` times (compile),
+    then all kinds timed round-robin ``repeats`` times (load drift hits every kind alike)."""
+    for run in calls.values():
+        for _ in range(max(1, int(warmup))):
             run()
     samples = {k: [] for k in calls}
     for _ in range(max(1, int(repeats))):
@@ -624,14 +612,15 @@ def _continuation(target, progs: dict, ids: Sequence[int], n_new: int, sp, rng, 
     return out, np.stack(ps), np.concatenate(hidden)
 
 
-def _betas_first_proposal(cfg, drafter, prog: Program, ids, new, p, hidden, sp, key) -> np.ndarray:
+def _betas_first_proposal(cfg, drafter, prog: Program, ids, new, p, hidden, sp, rng) -> np.ndarray:
     """β at each position of ``new`` with the cost programs' drafter calls (γ = 1, buffer of
     ``prog``): per position k, the drafter state after a prefill of ``ids + new[:k]``
     (``init_state`` with the target's hidden states), then one 1-token ``propose`` — its first
     proposal there, as in :func:`_betas_generic`; β = Σ min(p, q), NaN without a proposal.
 
     Args:
-      p: ``[n, V]`` the target's processed distributions of ``new``; hidden: ``[len(ids) + n - 1, D]``.
+      p: ``[n, V]`` the target's processed distributions of ``new``; hidden: ``[len(ids) + n - 1, D]``;
+        rng: a numpy Generator for the drafter's keys (β does not depend on them).
     Returns:
       ``[n]`` float64.
     """
@@ -647,7 +636,7 @@ def _betas_first_proposal(cfg, drafter, prog: Program, ids, new, p, hidden, sp, 
     for k in range(len(new)):
         lens = jnp.asarray([len(ids) + k], jnp.int32)
         state = _draft_init(drafter, drafter.params, DraftContext(toks, lens, sp, hid, zeros), buf)
-        keys = jax.random.split(jax.random.fold_in(key, k), 1)[None]
+        keys = jnp.asarray(rng.integers(0, 2 ** 32, (1, 1, 2), dtype=np.uint32))  # raw threefry keys (q is not drawn)
         _, q, valid, _ = _draft_call(drafter, drafter.params, state, DraftContext(toks, lens, sp, last, zeros),
                                      keys, 1, vocab)
         if int(valid[0]) > 0:
@@ -676,8 +665,8 @@ def alpha_by_decoding(target, drafter, prompts: Sequence[dict], progs: dict, set
     for i, rec in enumerate(prompts):
         rng = None if settings.temperature == 0 else np.random.default_rng([int(settings.seed), i])
         new, p, hidden = _continuation(target, progs, rec["ids"], new_tokens, sp, rng, eos)
-        key = jax.random.fold_in(seed_key(settings.seed), i)
-        betas.append(_betas_first_proposal(target.config, drafter, progs[1], rec["ids"], new, p, hidden, sp, key))
+        keys = np.random.default_rng([int(settings.seed), i, 1])
+        betas.append(_betas_first_proposal(target.config, drafter, progs[1], rec["ids"], new, p, hidden, sp, keys))
         conts.append(new)
     return {**_alpha_summary(prompts, betas), "continuations": conts}
 
