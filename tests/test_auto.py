@@ -264,11 +264,15 @@ def test_alpha_by_decoding_equals_teacher_forcing(kind, temperature):
     assert fast["positions"] == ref["positions"] > 0
 
 
-def test_greedy_continuation_is_the_decoders(tmp_path):
-    """The target's own continuation that α is measured on is greedy decoding's output."""
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
+def test_greedy_continuation_is_the_decoders(fmt):
+    """The target's own continuation that α is measured on is greedy decoding's output, in every
+    weight format (the prompt is prefilled in one call over its bucket, as the Decoder does: in
+    int8 a prompt fed token by token changed the default model's second token)."""
     from specjax.runtime.decoder import Decoder
 
     target, drafter = tiny_pair()
+    target = convert_model(target, fmt)
     recs = measure.prompt_records([[5, 6, 7, 8, 9, 5, 6, 7, 3, 4]])
     progs = measure.timed_programs(target, drafter, [0, 1], 10, 12)
     a = measure.alpha_by_decoding(target, drafter, recs, progs, DecodeSettings(max_new_tokens=12, ignore_eos=True),

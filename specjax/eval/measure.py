@@ -42,7 +42,7 @@ from specjax.eval.speedup import (  # noqa: F401  (re-exported: measure is the p
     _progress, autoregressive_run, best_row, compare, measure_speedup, theory_rows,
 )
 from specjax.models import llama
-from specjax.runtime.decoder import BUFFER_BUCKET, Decoder, Program, _bucket, seed_key
+from specjax.runtime.decoder import BUFFER_BUCKET, Decoder, Program, _bucket, prompt_bucket, seed_key
 from specjax.runtime.settings import DecodeSettings
 
 __all__ = [
@@ -564,26 +564,26 @@ AUTO_METHOD = (
     "costs: measure_costs at the decode programs' shapes for the run's prompt bucket and max_new_tokens, timing "
     "gamma = 1 and gamma_max only (target calls of 1, 2 and gamma_max+1 tokens, drafter proposals of 1 and gamma_max "
     "tokens; call times linear in gamma in between); alpha: the target's own continuation decoded with those "
-    "programs, then beta = sum_x min(p, q) per position with q from the drafter's first proposal after a prefill"
+    "programs (plus one prefill call over the prompt bucket), then beta = sum_x min(p, q) per position with q from "
+    "the drafter's first proposal after a prefill"
 )
 
 
 def _continuation(target, progs: dict, ids: Sequence[int], n_new: int, sp, rng, eos: set) -> tuple:
-    """The target's own continuation of ``ids``, decoded with the cost programs' target calls
-    (:func:`_target_call` on a KV cache of ``progs[0]``'s buffer): the prompt one token per
-    call, or, when it is long, in whole chunks of the widest timed call with the same buffer;
-    then one token per call, greedy (``rng`` ``None``) or drawn from p with ``rng``, ending
-    after an EOS id or ``n_new`` tokens.
+    """The target's own continuation of ``ids``, decoded with :func:`_target_call` on a KV
+    cache of ``progs[0]``'s buffer (the autoregressive program's): the prompt in one call over
+    its padded bucket, as the Decoder's prefill writes it (in bfloat16/int8 a prompt fed token
+    by token gets other K/V and may continue differently at a near-tie), then one token per
+    call, greedy (``rng`` ``None``) or drawn from p with ``rng``, ending after an EOS id or
+    ``n_new`` tokens. Greedy, it is the Decoder's autoregressive output.
 
     Returns:
       ``(new ids [n], p [n, V] float32, hidden [len(ids) + n - 1, D] float32)``: p of each new
       token (processed: what it was drawn from) and the target's final hidden state at every
-      position fed.
+      position before the last new token.
     """
     cfg, prog = target.config, progs[0]
     box = [llama.KVCache.create(cfg, 1, prog.buffer_len, jnp.dtype(prog.cache_dtype))]
-    chunk = max(g + 1 for g, pr in progs.items()
-                if (pr.buffer_len, pr.cache_dtype) == (prog.buffer_len, prog.cache_dtype))
 
     def call(tokens, start):
         t = len(tokens)
@@ -591,14 +591,9 @@ def _continuation(target, progs: dict, ids: Sequence[int], n_new: int, sp, rng, 
                                         jnp.asarray([np.arange(start, start + t)], jnp.int32), box[0], sp)
         return probs[0], np.asarray(h[0], np.float32)
 
-    plen, pos, hidden = len(ids), 0, []
-    if chunk > 1 and plen - 1 >= 4 * chunk:  # a long prompt: whole chunks, then single tokens
-        while plen - 1 - pos >= chunk:
-            hidden.append(call(list(ids[pos: pos + chunk]), pos)[1])
-            pos += chunk
-    while pos < plen - 1:
-        hidden.append(call([ids[pos]], pos)[1])
-        pos += 1
+    plen = len(ids)
+    padded = list(ids) + [0] * (prompt_bucket(plen) - plen)  # slots ≥ plen are overwritten before they are read
+    hidden = [call(padded, 0)[1][: plen - 1]]
     out, ps, tok = [], [], int(ids[-1])
     for j in range(int(n_new)):
         p, h = call([tok], plen - 1 + j)
@@ -646,7 +641,7 @@ def _betas_first_proposal(cfg, drafter, prog: Program, ids, new, p, hidden, sp, 
 
 def alpha_by_decoding(target, drafter, prompts: Sequence[dict], progs: dict, settings: DecodeSettings,
                       new_tokens: int = AUTO_NEW_TOKENS) -> dict:
-    """α with the programs :func:`measure_costs` compiled, nothing else: each prompt's own
+    """α with the programs :func:`measure_costs` compiled and one prefill call: each prompt's own
     continuation by the target (:func:`_continuation`; greedy, or sampled with
     ``settings``' temperature, top-k, top-p and seed; EOS ends it unless ``ignore_eos``), then β
     per position from the drafter's first proposal there (:func:`_betas_first_proposal`). The
@@ -701,8 +696,8 @@ def recommend(target, drafter, prompts, settings: DecodeSettings | None = None, 
       weight formats), buffers and timed γ.
     * α (:func:`alpha_by_decoding`) over ≤ ``AUTO_PROMPTS`` prompts × ≤ ``AUTO_NEW_TOKENS``
       tokens of the target's own continuation, with ``settings``' sampling; it runs the cost
-      programs only. Cached per host, target, drafter, sampling settings (and seed when
-      sampling) and prompt ids.
+      programs and one prefill call per prompt bucket. Cached per host, target, drafter,
+      sampling settings (and seed when sampling) and prompt ids.
 
     Args:
       prompts: texts, id lists or records (:func:`prompt_records`).
@@ -760,7 +755,8 @@ def recommend(target, drafter, prompts, settings: DecodeSettings | None = None, 
                          "ignore_eos": bool(settings.ignore_eos), "new_tokens": n_new, "prompts": ids_sha},
         alpha_now, progress,
         f"measuring α for --gamma auto: the target's own continuation of {len(recs)} prompt"
-        f"{'s' if len(recs) > 1 else ''} (≤ {n_new} tokens each), scored by the drafter")
+        f"{'s' if len(recs) > 1 else ''} (≤ {n_new} tokens each; one prefill program to compile), "
+        "scored by the drafter")
     a = alpha["alpha"] if alpha["alpha"] is not None and np.isfinite(alpha["alpha"]) else 0.0
     rows = theory_rows(a, gammas, costs["c"], costs["v"])
     best = best_row(rows)
@@ -843,7 +839,7 @@ def fastest_format(model, *, formats: Sequence[str] = llama.WEIGHT_FORMATS, toke
         ("" if loaded else f"loading {'the default model' if model in (None, 'default') else model} in float32, then ")
         + f"measuring its decode step ({tokens} token{'s' if tokens > 1 else ''} per call) in {', '.join(formats)} "
         "for --dtype auto")
-    step = value["step_ms"]
+    step = {f: float(value["step_ms"][f]) for f in formats}  # in the order asked (JSON sorts the keys)
     best = min(formats, key=lambda f: (step[f], formats.index(f)))
     chosen = box.get(best)
     if chosen is None and loaded:
