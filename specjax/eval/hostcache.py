@@ -50,23 +50,29 @@ def _note(msg: str) -> None:
 
 @functools.lru_cache(maxsize=1)
 def _cpu() -> tuple[str, tuple[str, ...]]:
-    """``(CPU model name, sorted vector-extension flags)`` from ``/proc/cpuinfo``;
-    ``platform.processor()`` (or the machine type) and no flags where it is unreadable."""
-    name, flags = "", set()
+    """``(CPU model, sorted vector-extension flags)`` from the first processor of
+    ``/proc/cpuinfo`` (the model: its ``model name``, with family / model / stepping / cache size
+    where given: a virtual machine's name can be as vague as "AMD EPYC"); ``platform.processor()``
+    (or the machine type) and no flags where it is unreadable."""
+    fields, flags = {}, set()
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             for line in f:
-                key, _, val = line.partition(":")
-                key = key.strip()
-                if key == "model name" and not name:
-                    name = val.strip()
-                elif key in ("flags", "Features") and not flags:
-                    flags = {x for x in val.split() if x.startswith(_CPU_FLAGS)}
-                if name and flags:
+                if not line.strip():  # the end of the first processor's block
                     break
+                key, _, val = line.partition(":")
+                key, val = key.strip(), val.strip()
+                if key in ("flags", "Features"):
+                    flags = {x for x in val.split() if x.startswith(_CPU_FLAGS)}
+                elif key in ("model name", "cpu family", "model", "stepping", "cache size", "CPU part"):
+                    fields[key] = val
     except OSError:
         pass
-    return name or platform.processor() or platform.machine(), tuple(sorted(flags))
+    name = fields.pop("model name", "")
+    detail = ", ".join(f"{k} {v}" for k, v in fields.items())
+    if not name:
+        name = platform.processor() or platform.machine()
+    return name + (f" ({detail})" if detail else ""), tuple(sorted(flags))
 
 
 def host_fingerprint() -> dict:
@@ -80,12 +86,12 @@ def host_fingerprint() -> dict:
     import importlib.metadata as md
 
     import jax
-    import jaxlib
 
-    try:
-        version = md.version("specjax")
-    except md.PackageNotFoundError:  # a source tree that is not installed
-        version = "unknown"
+    def version(dist):
+        try:
+            return md.version(dist)
+        except md.PackageNotFoundError:  # e.g. a source tree that is not installed
+            return "unknown"
     cpu, flags = _cpu()
     try:
         cores = len(os.sched_getaffinity(0))
@@ -101,9 +107,9 @@ def host_fingerprint() -> dict:
         "device_kind": devs[0].device_kind if devs else "",
         "devices": len(devs),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "specjax": version,
+        "specjax": version("specjax"),
         "jax": jax.__version__,
-        "jaxlib": jaxlib.__version__,
+        "jaxlib": version("jaxlib"),
     }
 
 
