@@ -684,7 +684,7 @@ def _cached_or_measured(cache, kind: str, parts: dict, measure, progress, what: 
 
 
 def recommend(target, drafter, prompts, settings: DecodeSettings | None = None, *, gamma_max: int = 8,
-              chat: bool = False, cache=None, progress=None, timing_repeats: int = 5,
+              chat: bool = False, cache=None, progress=None, timing_repeats: int = 7,
               measure_gammas: Sequence[int] | None = None) -> tuple[int, dict]:
     """γ with the largest predicted speedup for this pair (``specjax generate --gamma auto``),
     from costs and α measured quickly, or read from ``cache``.
