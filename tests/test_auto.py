@@ -470,3 +470,23 @@ def test_cli_bench_dtype_auto(tiny_dir, cli_env, capsys, monkeypatch, tmp_path):
     assert "--dtype auto chose bfloat16" in err and len(calls) == 1
     res = json.loads(out)
     assert res["config"]["dtype"] == ["bfloat16", "float32"]  # auto resolved, duplicates dropped
+
+
+def test_gamma_auto_near_the_context_limit(tmp_path, faked):
+    """A prompt that fills the context is the Decoder's one-line error; one that leaves room
+    for a few tokens measures α on that many."""
+    target, drafter = tiny_pair()
+    ctx = target.config.max_position_embeddings
+    with pytest.raises(ValueError, match="longer than the model's context"):
+        measure.recommend(target, drafter, [{"ids": [5] * ctx}], SETTINGS, gamma_max=2)
+    measure.recommend(target, drafter, [{"ids": [5] * (ctx - 3)}], SETTINGS, gamma_max=2)
+    assert faked["alpha"] == 1
+
+
+def test_alpha_continuation_stays_inside_the_context():
+    target, drafter = tiny_pair()
+    ctx = target.config.max_position_embeddings
+    ids = list(np.random.default_rng(1).integers(3, 100, ctx - 3))
+    _, rep = measure.recommend(target, drafter, [{"ids": ids}], DecodeSettings(max_new_tokens=50, ignore_eos=True),
+                               gamma_max=1, timing_repeats=1)
+    assert rep["positions"] <= 3

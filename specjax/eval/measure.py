@@ -42,7 +42,9 @@ from specjax.eval.speedup import (  # noqa: F401  (re-exported: measure is the p
     _progress, autoregressive_run, best_row, compare, measure_speedup, theory_rows,
 )
 from specjax.models import llama
-from specjax.runtime.decoder import BUFFER_BUCKET, Decoder, Program, _bucket, prompt_bucket, seed_key
+from specjax.runtime.decoder import (
+    BUFFER_BUCKET, Decoder, Program, _bucket, _validate, prompt_bucket, seed_key,
+)
 from specjax.runtime.settings import DecodeSettings
 
 __all__ = [
@@ -711,7 +713,8 @@ def recommend(target, drafter, prompts, settings: DecodeSettings | None = None, 
       ``table`` (:func:`theory_rows`), ``predicted_speedup``, ``costs_source`` / ``alpha_source``
       (:func:`_cached_or_measured`) and ``method``.
     Raises:
-      ValueError: no drafter; ``gamma_max < 1``; empty prompts.
+      ValueError: no drafter; ``gamma_max < 1``; no prompt, an empty one, or one that leaves no
+        room in the context for a new token.
     """
     from specjax.eval.hostcache import drafter_fingerprint, model_fingerprint
 
@@ -726,6 +729,8 @@ def recommend(target, drafter, prompts, settings: DecodeSettings | None = None, 
     timed = sorted({1, *(int(g) for g in (measure_gammas or (gamma_max,)) if 1 <= int(g) <= gamma_max)})
     plen = max(len(r["ids"]) for r in recs)  # the buffers hold the longest prompt + its continuation
     mnt = int(settings.max_new_tokens)
+    ctx = Decoder(target, drafter, 1).context_limit()
+    _validate([r["ids"] for r in recs], mnt, 1, drafter, ctx)  # the Decoder's own messages
     progs = timed_programs(target, drafter, [0, *timed], plen, mnt)
     pair = {"target": model_fingerprint(target), "drafter": drafter_fingerprint(drafter)}
     sp_kw = _sampling_kw(settings)
@@ -743,7 +748,7 @@ def recommend(target, drafter, prompts, settings: DecodeSettings | None = None, 
                          "cache_dtype": progs[0].cache_dtype}, costs_now, progress,
         f"measuring costs for --gamma auto: target calls of {widths} tokens, drafter proposals of "
         f"{' and '.join(str(g) for g in timed)} tokens ({1 + 2 * len(timed)} programs to compile)")
-    n_new = min(AUTO_NEW_TOKENS, mnt)
+    n_new = min(AUTO_NEW_TOKENS, mnt, ctx - plen)  # within the context, like the run itself
 
     def alpha_now():
         a = alpha_by_decoding(target, drafter, recs, progs, settings, n_new)
