@@ -86,8 +86,17 @@ def _compare(fmt, label, a, b, ma, mb, near_ties):
     near_ties.append(f"{fmt} {label}: near-tie at token {k}, margin {margin:.2e}")
 
 
-@pytest.mark.parametrize("method", METHODS)  # methods vary fastest: one format loaded at a time
-@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
+def _cases():
+    """Every (format, method); the suite runs int8 with the shipped drafter at γ 4 (alone, batch,
+    reversed, and its own autoregressive reference); the rest is the ``gate_matrix`` phase of
+    .ci/run (``python -m pytest -m gate_matrix``, ≈ 15 min on 2 cores)."""
+    for fmt in ("float32", "bfloat16", "int8"):
+        for method in METHODS:  # methods vary fastest: one format loaded at a time
+            marks = () if (fmt, method) == ("int8", "default:4") else (pytest.mark.gate_matrix,)
+            yield pytest.param(fmt, method, marks=marks, id=f"{fmt}-{method}")
+
+
+@pytest.mark.parametrize("fmt,method", list(_cases()))
 def test_row_tokens_do_not_depend_on_the_batch(fmt, method, prompts, capsys):
     import specjax
     from specjax.api import load_drafter
