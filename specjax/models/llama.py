@@ -572,7 +572,7 @@ class _TreeWindow:
         return place(block_sums, sums), place(part, vals)
 
 
-def _tree_window(qg, k_cache, v_cache, positions, tree_mask, blk: int, dt) -> _TreeWindow:
+def _tree_window(scores, v_cache, positions, tree_mask, blk: int, dt) -> _TreeWindow:
     """Tree attention in the reduced formats, bit-identical to the causal call over each node's
     path (the property the batch-invariant kernels give the chain; docs/design.md).
 
@@ -581,22 +581,25 @@ def _tree_window(qg, k_cache, v_cache, positions, tree_mask, blk: int, dt) -> _T
     same terms with the zeros elsewhere, which rounds differently. Instead the NW blocks that
     hold ``start .. start + T - 1`` (the *window*) are rebuilt per query j in the layout of the
     causal call over j's path: slot ``start + k`` holds j's ancestor at depth ``k`` (``k <=
-    depth_j = positions[:, j] - start``), prefix slots stay, later slots are masked. Its scores
-    and value sums use the same einsums as a one-token decode step (batch B·T, M = G rows), and
-    its per-block sums replace the shared computation's window blocks before the cross-block
-    :func:`pairwise_sum`. Cost: ``T · NW · blk`` gathered K/V slots per KV head and layer
+    depth_j = positions[:, j] - start``), prefix slots stay, later slots are masked. The scores
+    are gathered from the shared ``scores`` (each one dot over ``hd``), the values per query;
+    the value sums use the einsum of a one-token decode step (batch B·T, M = G rows), and the
+    per-block sums replace the shared computation's window blocks before the cross-block
+    :func:`pairwise_sum`. Cost: ``T · NW · blk`` gathered V slots per KV head and layer
     (NW ≤ 2 for T ≤ 65).
 
     Args:
-      qg: ``[B, KV, G·T, hd]`` queries (row ``g·T + j``) in ``dt``.
-      k_cache, v_cache: ``[B, KV, S, hd]`` with the new K/V written, ``S`` a multiple of ``blk``.
+      scores: ``[B, KV, NB, G·T, blk]`` float32 unmasked scores of every query (row ``g·T + j``)
+        against every slot.
+      v_cache: ``[B, KV, S, hd]`` with the new V written, ``S = NB · blk``.
       positions: ``[B, T]`` int32; ``positions[:, 0]`` is the root's slot and position.
       tree_mask: ``[B, T, T]`` bool, ancestors-or-self (one ancestor per depth < depth_j).
+      dt: the dtype of the value einsum's inputs (bfloat16).
     """
-    b, kv, gt, hd = qg.shape
+    b, kv, nb, gt, _ = scores.shape
+    hd = v_cache.shape[-1]
     t = tree_mask.shape[1]
     g = gt // t
-    nb = k_cache.shape[2] // blk
     nw = min(nb, (blk + t - 2) // blk + 1)  # blocks touched by T slots from any offset
     start = positions[:, 0]
     depth = positions - start[:, None]  # [B, T]
@@ -608,25 +611,24 @@ def _tree_window(qg, k_cache, v_cache, positions, tree_mask, blk: int, dt) -> _T
     anc = jnp.argmax(tree_mask[:, :, :, None] & at_depth, axis=2).astype(jnp.int32)  # [B, T, T]
     on_path = (rel[:, None, :] >= 0) & (rel[:, None, :] <= depth[:, :, None])  # [B, T, W]
     src_rel = jnp.take_along_axis(anc, jnp.broadcast_to(jnp.clip(rel, 0, t - 1)[:, None, :], (b, t, nw * blk)), axis=2)
-    src = jnp.where(on_path, start[:, None, None] + src_rel, slot[:, None, :]) - (w0 * blk)[:, None, None]
-    src = jnp.clip(src, 0, nw * blk - 1)
+    src = jnp.where(on_path, start[:, None, None] + src_rel, slot[:, None, :])  # [B, T, W] physical slots
+    src = jnp.clip(src, w0[:, None, None] * blk, (w0[:, None, None] + nw) * blk - 1)
     visible = (rel[:, None, :] < 0) | on_path  # [B, T, W]
 
-    def gather(cache):  # [B, KV, S, hd] -> [B·T, KV, NW, blk, hd] in dt, per query
-        win = jax.vmap(lambda c, s: jax.lax.dynamic_slice(c, (0, s, 0), (kv, nw * blk, hd)))(cache, w0 * blk)
-        per_q = jax.vmap(lambda c, i: c[:, i, :])(win.astype(dt), src)  # [B, KV, T, W, hd]
-        return per_q.transpose(0, 2, 1, 3, 4).reshape(b * t, kv, nw, blk, hd)
+    by_query = scores.transpose(0, 1, 3, 2, 4).reshape(b, kv, g, t, nb * blk)
+    sw = jnp.take_along_axis(by_query, jnp.broadcast_to(src[:, None, None], (b, kv, g, t, nw * blk)), axis=4)
+    sw = sw.transpose(0, 3, 1, 2, 4).reshape(b * t, kv, g, nw, blk).transpose(0, 1, 3, 2, 4)  # [B·T, KV, NW, G, blk]
+    sw = jnp.where(visible.reshape(b * t, 1, nw, 1, blk), sw, -jnp.inf)
 
-    kw, vw = gather(k_cache), gather(v_cache)
-    q1 = qg.reshape(b, kv, g, t, hd).transpose(0, 3, 1, 2, 4).reshape(b * t, kv, g, hd)
-    scores = jnp.einsum("bkmd,bknsd->bknms", q1, kw, preferred_element_type=jnp.float32) * (1.0 / math.sqrt(hd))
-    vis_q = visible.reshape(b * t, 1, nw, 1, blk)
-    scores = jnp.where(vis_q, scores, -jnp.inf)
+    win = jax.vmap(lambda c, s: jax.lax.dynamic_slice(c, (0, s, 0), (kv, nw * blk, hd)))(v_cache, w0 * blk)
+    local = src - (w0 * blk)[:, None, None]
+    vw = jax.vmap(lambda c, i: c[:, i, :])(win.astype(dt), local)  # [B, KV, T, W, hd]
+    vw = vw.transpose(0, 2, 1, 3, 4).reshape(b * t, kv, nw, blk, hd)
     block = jnp.arange(nb, dtype=jnp.int32)[None, :]
     in_window = (block >= w0[:, None]) & (block < (w0 + nw)[:, None])  # [B, NB]
     prefix = jnp.arange(nb * blk, dtype=jnp.int32).reshape(1, nb, blk) < start[:, None, None]
     outside = prefix & ~in_window[:, :, None]
-    return _TreeWindow(outside, scores, vw, w0, (b, t, g))
+    return _TreeWindow(outside, sw, vw, w0, (b, t, g))
 
 
 def _attention(q, k_cache, v_cache, positions, cfg: ModelConfig, tree_mask=None):
@@ -671,7 +673,7 @@ def _attention(q, k_cache, v_cache, positions, cfg: ModelConfig, tree_mask=None)
     elif dt == jnp.float32:
         visible = _tree_visible(tree_mask, positions[:, 0], h // kv, nb, blk)
     else:  # the prefix outside the window here; the window's blocks per query (_tree_window)
-        window = _tree_window(qg.astype(dt), k_cache, v_cache, positions, tree_mask, blk, dt)
+        window = _tree_window(scores, v_cache, positions, tree_mask, blk, dt)
         visible = window.outside[:, None, :, None, :]  # [B, 1, NB, 1, blk]
     scores = jnp.where(visible, scores, -jnp.inf)
     m = jnp.max(scores, axis=(2, 4), keepdims=True)  # exact; slot 0 is always visible
