@@ -290,3 +290,68 @@ def test_tree_attention_kernel_is_the_causal_kernel(q_dtype, cache_dtype):
         assert control > 0.0, "negative control: in-place sums were expected to round differently"
     else:
         assert worst <= 1e-6, f"max |Δ| = {worst:.2e}"
+
+
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
+def test_greedy_tree_rounds_equal_autoregressive(fmt):
+    """The pieces as a decode loop would use them (a host-side loop; runtime/loop.py is not
+    changed here): per round ONE tree call over ``[last committed, tree...]`` at
+    ``positions(tree, lengths)``, :func:`specjax.core.tree.verify_tree_greedy`, commit the path and
+    the target's next token, :func:`llama.compact_tree_cache`, ``lengths += n + 1``. Ragged rows,
+    trees that hold the true continuation on a random branch, cut at a random depth (partial and
+    full acceptance, and rounds with nothing accepted). The tokens equal the Decoder's
+    autoregressive greedy tokens in every format (bit-identical logits in bfloat16 and int8)."""
+    from specjax.runtime import decoder as decode
+
+    base = tiny_model(seed=3, scale=4.0)
+    g, p = assemble_params(base.config, float_tensors(base), fmt, source="convert")
+    target = base.replace(graphdef=g, params=p, dtype=fmt)
+    cfg, v = target.config, target.config.vocab_size
+    prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18]]
+    max_new = 24
+    ar = decode.Decoder(target).generate(prompts, max_new_tokens=max_new, eos_ids=[]).tokens
+    rows = len(prompts)
+    parents = np.broadcast_to(PARENTS[0], (rows, N))
+    depth = np.broadcast_to(DEPTH[0], (rows, N))
+    leaf_paths = np.asarray(T.node_paths(T.DraftTree.create(np.zeros((rows, N), int), parents, depth)))
+
+    step = jax.jit(lambda params, tok, pos, cache, mask: llama.apply(g, params, tok, pos, cache, cfg,
+                                                                     tree_mask=mask))
+    compact = jax.jit(llama.compact_tree_cache)
+    width = max(map(len, prompts))
+    seq = np.zeros((rows, MAXLEN), np.int64)
+    for b, pr in enumerate(prompts):
+        seq[b, :len(pr)] = pr
+    lengths = np.array([len(pr) for pr in prompts])
+    cache = llama.KVCache.create(cfg, rows, MAXLEN)
+    _, cache = llama.forward(g, p, jnp.asarray(seq[:, :width], jnp.int32),
+                             jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (rows, width)), cache, cfg)
+    rng = np.random.default_rng(3)
+    accepted = []
+    while np.any(lengths - np.array([len(pr) for pr in prompts]) < max_new):
+        tokens = rng.integers(0, v, size=(rows, N))
+        for b in range(rows):  # the true continuation on one branch, up to a random depth
+            new = lengths[b] - len(prompts[b])
+            truth = ar[b][new:]
+            node = rng.integers(N) if rng.random() < 0.5 else N - 1  # node N-1 is the deepest
+            cut = rng.integers(0, DEPTH[0, node] + 1) if rng.random() < 0.5 else DEPTH[0, node]
+            for k, nd in enumerate(leaf_paths[b, node, :DEPTH[0, node]]):
+                if k < min(cut, len(truth)):
+                    tokens[b, nd] = truth[k]
+        tree = T.DraftTree.create(tokens, parents, depth)
+        root = seq[np.arange(rows), lengths - 1]
+        inp = np.concatenate([root[:, None], tokens], axis=1)
+        out = step(p, jnp.asarray(inp, jnp.int32), T.positions(tree, lengths), cache, T.block_attention_mask(tree))
+        acc = T.verify_tree_greedy(tree, out.logits)
+        n = np.asarray(acc.n)
+        path_tok = np.asarray(T.path_tokens(tree, acc.path))
+        cache = compact(out.cache, jnp.asarray(lengths - 1, jnp.int32), acc.path, acc.n)
+        for b in range(rows):
+            chunk = list(path_tok[b, :n[b]]) + [int(acc.next_token[b])]
+            seq[b, lengths[b]:lengths[b] + len(chunk)] = chunk
+        lengths = lengths + n + 1
+        accepted.extend(n.tolist())
+    for b, pr in enumerate(prompts):
+        got = seq[b, len(pr):len(pr) + max_new].tolist()
+        assert got == ar[b][:max_new], f"{fmt} row {b}: tree rounds {got} != autoregressive {ar[b][:max_new]}"
+    assert max(accepted) >= 3 and min(accepted) == 0, accepted  # deep acceptances and rejections happened
