@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from specjax.models.config import ModelConfig
 
@@ -345,6 +345,59 @@ class KVCache:
         )
 
 
+def compact_tree_cache(
+    cache: KVCache,
+    root_slot: Int[Array, "batch"],
+    path: Int[Array, "batch depth"],
+    n: Int[Array, "batch"],
+) -> KVCache:
+    """Move the K/V of an accepted tree path to contiguous slots after a tree call (pure, jittable).
+
+    A tree call (:func:`forward` with ``tree_mask``) over ``[root, node_0 .. node_{N-1}]`` wrote
+    node i's K/V at the scratch slot ``root_slot + 1 + i``, but node i's position is
+    ``root_slot + depth_i``. After acceptance of the path ``path[b, :n[b]]`` (node ids root →
+    leaf, as :func:`specjax.core.tree.verify_tree` returns them), the committed sequence needs
+    the K/V of the path's k-th node at slot ``root_slot + 1 + k`` (slot = position again): this
+    copies, per row and for every layer's K and V,
+    ``slot root_slot + 1 + k  ←  slot root_slot + 1 + path[k]`` for ``k < n`` (the root's K/V
+    is already at ``root_slot``). All sources are read before anything is written
+    (``path[k] >= k``, so sources and destinations overlap). Slots ``root_slot + 1 + k`` for
+    ``k >= n`` keep their values, so a chain (``path = 0, 1, .., n-1``) is an identity copy and
+    ``n = 0`` changes nothing. The accepted path's tree-call K/V are those of the causal call
+    over the path (see :func:`decoder_block`), so the compacted cache is the causal cache.
+
+    Miao et al. 2024 (SpecInfer) and Li et al. 2024 (EAGLE-2) keep the accepted path's KV the
+    same way (a gather of the accepted indices into the contiguous cache).
+
+    Args:
+      cache: the cache after the tree call (any dtype; ``lengths`` is returned unchanged: the
+        caller commits, e.g. ``lengths + n`` with this module's convention that the cache holds
+        positions ``0 .. committed - 2``).
+      root_slot: int32 ``[B]``, the slot (= position) of the root, ``positions[:, 0]`` of the
+        tree call (``lengths - 1`` in the decode loop's convention).
+      path: int32 ``[B, D]`` accepted node ids, -1 padded (entries ``>= n`` are ignored).
+      n: int32 ``[B]`` accepted nodes per row (0 .. D).
+
+    Returns:
+      The cache with the path's K/V at slots ``root_slot + 1 .. root_slot + n``. The caller
+      guarantees ``root_slot + 1 + D <= max_len`` (the tree call's ``N + 1`` slots fit, and
+      ``D <= N``), else ``dynamic_update_slice`` would clamp the write.
+    """
+    path = jnp.asarray(path, jnp.int32)
+    root_slot = jnp.asarray(root_slot, jnp.int32)
+    depth = path.shape[1]
+    k = jnp.arange(depth, dtype=jnp.int32)[None, :]
+    node = jnp.where(k < jnp.asarray(n, jnp.int32)[:, None], path, k)  # identity beyond n
+    src = root_slot[:, None] + 1 + node  # [B, D]
+
+    def move(arr):  # [B, KV, S, hd]
+        src_c = jnp.clip(src, 0, arr.shape[2] - 1)
+        rows = jax.vmap(lambda a, s: a[:, s, :])(arr, src_c)  # [B, KV, D, hd]
+        return jax.vmap(lambda a, r, s0: jax.lax.dynamic_update_slice(a, r, (0, s0, 0)))(arr, rows, root_slot + 1)
+
+    return KVCache(k=[move(a) for a in cache.k], v=[move(a) for a in cache.v], lengths=cache.lengths)
+
+
 def pairwise_sum(x, axis: int = -1):
     """Sum over ``axis`` in a fixed order: adjacent pairs, level by level (the axis zero-padded
     to a power of two), written as elementwise adds so XLA cannot reorder it.
@@ -455,9 +508,138 @@ def _write(cache_arr, new, starts):
 ATTENTION_BLOCK = 64  # cache slots per attention block (a multiple of the Decoder's buffer bucket)
 
 
-def _attention(q, k_cache, v_cache, positions, cfg: ModelConfig):
+def _tree_visible(tree_mask, start, groups: int, nb: int, blk: int):
+    """Tree attention's visibility in the physical cache layout (the float32 path of
+    :func:`_attention`): bool ``[B, 1, NB, G·T, blk]``, query j (row ``g·T + j``) sees slot s iff
+    ``s < start`` (the committed prefix) or ``0 <= s - start < T`` and ``tree_mask[:, j, s - start]``.
+
+    For a chain (``tree_mask`` lower triangular) this is exactly the causal ``s <= start + j``, so
+    the call is the causal call, bit for bit. For a branching tree the ancestors of a node sit at
+    scratch slots that are not contiguous, so its sums add the same terms as the causal call over
+    its path but with the exact zeros in other places (float32 rounding, ≈ 1e-7).
+
+    Args: ``tree_mask [B, T, T]`` bool, ``start [B]`` int32 (slot of the first new token),
+    ``groups`` G = query heads per KV head, ``nb`` blocks of ``blk`` slots.
+    """
+    b, t, _ = tree_mask.shape
+    rel = jnp.arange(nb * blk, dtype=jnp.int32)[None, :] - start[:, None]  # [B, S]
+    inside = (rel >= 0) & (rel < t)
+    among = jnp.take_along_axis(tree_mask, jnp.broadcast_to(jnp.clip(rel, 0, t - 1)[:, None, :], (b, t, nb * blk)),
+                                axis=2)  # [B, T, S]: tree_mask[b, j, s - start]
+    vis = (rel < 0)[:, None, :] | (inside[:, None, :] & among)
+    vis = jnp.broadcast_to(vis[:, None], (b, groups, t, nb * blk)).reshape(b, groups * t, nb, blk)
+    return vis.transpose(0, 2, 1, 3)[:, None]
+
+
+class _TreeWindow:
+    """The blocks of :func:`_attention` that hold new tokens, per query, in the causal layout of
+    that query's path (built by :func:`_tree_window`; the reduced-format tree path).
+
+    ``outside [B, NB, blk]``: prefix slots NOT in the window (the shared computation's mask);
+    ``scores [B·T, KV, NW, G, blk]`` float32 (masked: -inf) and ``v [B·T, KV, NW, blk, hd]`` (dt)
+    per query; ``w0 [B]`` the first window block; ``dims = (B, T, G)``.
+    """
+
+    def __init__(self, outside, scores, v, w0, dims):
+        self.outside, self.scores, self.v, self.w0, self.dims = outside, scores, v, w0, dims
+
+    def max(self):
+        """The window's score maximum per query, ``[B, KV, 1, G·T, 1]`` (-inf if none visible)."""
+        b, t, g = self.dims
+        mw = jnp.max(self.scores, axis=(2, 4))  # [B·T, KV, G]
+        return mw.reshape(b, t, -1, g).transpose(0, 2, 3, 1).reshape(b, -1, 1, g * t, 1)
+
+    def add_to(self, block_sums, part, m):
+        """Add the window's per-block softmax sums and value sums (``exp(score - m)``, ``m [B, KV,
+        1, G·T, 1]`` the global maximum) into the shared ``block_sums [B, KV, NB, G·T]`` and
+        ``part [B, KV, NB, G·T, hd]`` at the window's blocks, where the shared ones are exact zeros
+        (so the sums are the window's, bit for bit)."""
+        b, t, g = self.dims
+        kv = block_sums.shape[1]
+        dt = self.v.dtype
+        mq = m.reshape(b, kv, g, t).transpose(0, 3, 1, 2).reshape(b * t, kv, 1, g, 1)
+        e = jnp.where(self.scores > -jnp.inf, jnp.exp(self.scores - mq), 0.0).astype(dt)
+        sums = pairwise_sum(e.astype(jnp.float32), axis=-1)  # [B·T, KV, NW, G]
+        vals = jnp.einsum("bknms,bknsd->bknmd", e, self.v, preferred_element_type=jnp.float32)
+        nw = sums.shape[2]
+        sums = sums.reshape(b, t, kv, nw, g).transpose(0, 2, 3, 4, 1).reshape(b, kv, nw, g * t)
+        vals = vals.reshape(b, t, kv, nw, g, -1).transpose(0, 2, 3, 4, 1, 5).reshape(b, kv, nw, g * t, -1)
+
+        def place(shared, win):
+            at = lambda z, w, s: jax.lax.dynamic_update_slice(z, w, (0, s) + (0,) * (z.ndim - 2))
+            return shared + jax.vmap(at)(jnp.zeros_like(shared), win, self.w0)
+
+        return place(block_sums, sums), place(part, vals)
+
+
+def _tree_window(scores, v_cache, positions, tree_mask, blk: int, dt) -> _TreeWindow:
+    """Tree attention in the reduced formats, bit-identical to the causal call over each node's
+    path (the property the batch-invariant kernels give the chain; docs/design.md).
+
+    The new tokens' K/V sit at scratch slots ``start + i`` (``start = positions[:, 0]``, the
+    root), so the ancestors of a deep node are not contiguous; summing in place would add the
+    same terms with the zeros elsewhere, which rounds differently. Instead the NW blocks that
+    hold ``start .. start + T - 1`` (the *window*) are rebuilt per query j in the layout of the
+    causal call over j's path: slot ``start + k`` holds j's ancestor at depth ``k`` (``k <=
+    depth_j = positions[:, j] - start``), prefix slots stay, later slots are masked. The scores
+    are gathered from the shared ``scores`` (each one dot over ``hd``), the values per query;
+    the value sums use the einsum of a one-token decode step (batch B·T, M = G rows), and the
+    per-block sums replace the shared computation's window blocks before the cross-block
+    :func:`pairwise_sum`. Cost: ``T · NW · blk`` gathered V slots per KV head and layer
+    (NW ≤ 2 for T ≤ 65).
+
+    Args:
+      scores: ``[B, KV, NB, G·T, blk]`` float32 unmasked scores of every query (row ``g·T + j``)
+        against every slot.
+      v_cache: ``[B, KV, S, hd]`` with the new V written, ``S = NB · blk``.
+      positions: ``[B, T]`` int32; ``positions[:, 0]`` is the root's slot and position.
+      tree_mask: ``[B, T, T]`` bool, ancestors-or-self (one ancestor per depth < depth_j).
+      dt: the dtype of the value einsum's inputs (bfloat16).
+    """
+    b, kv, nb, gt, _ = scores.shape
+    hd = v_cache.shape[-1]
+    t = tree_mask.shape[1]
+    g = gt // t
+    nw = min(nb, (blk + t - 2) // blk + 1)  # blocks touched by T slots from any offset
+    start = positions[:, 0]
+    depth = positions - start[:, None]  # [B, T]
+    w0 = jnp.clip(start // blk, 0, nb - nw)  # the caller leaves start + T <= S
+    slot = w0[:, None] * blk + jnp.arange(nw * blk, dtype=jnp.int32)[None, :]  # [B, W] window slots
+    rel = slot - start[:, None]
+    # anc[b, j, k]: the new token that is j's ancestor at depth k (argmax of one True; 0 if none)
+    at_depth = depth[:, None, :, None] == jnp.arange(t, dtype=jnp.int32)[None, None, None, :]
+    anc = jnp.argmax(tree_mask[:, :, :, None] & at_depth, axis=2).astype(jnp.int32)  # [B, T, T]
+    on_path = (rel[:, None, :] >= 0) & (rel[:, None, :] <= depth[:, :, None])  # [B, T, W]
+    src_rel = jnp.take_along_axis(anc, jnp.broadcast_to(jnp.clip(rel, 0, t - 1)[:, None, :], (b, t, nw * blk)), axis=2)
+    src = jnp.where(on_path, start[:, None, None] + src_rel, slot[:, None, :])  # [B, T, W] physical slots
+    src = jnp.clip(src, w0[:, None, None] * blk, (w0[:, None, None] + nw) * blk - 1)
+    visible = (rel[:, None, :] < 0) | on_path  # [B, T, W]
+
+    by_query = scores.transpose(0, 1, 3, 2, 4).reshape(b, kv, g, t, nb * blk)
+    sw = jnp.take_along_axis(by_query, jnp.broadcast_to(src[:, None, None], (b, kv, g, t, nw * blk)), axis=4)
+    sw = sw.transpose(0, 3, 1, 2, 4).reshape(b * t, kv, g, nw, blk).transpose(0, 1, 3, 2, 4)  # [B·T, KV, NW, G, blk]
+    sw = jnp.where(visible.reshape(b * t, 1, nw, 1, blk), sw, -jnp.inf)
+
+    win = jax.vmap(lambda c, s: jax.lax.dynamic_slice(c, (0, s, 0), (kv, nw * blk, hd)))(v_cache, w0 * blk)
+    local = src - (w0 * blk)[:, None, None]
+    vw = jax.vmap(lambda c, i: c[:, i, :])(win.astype(dt), local)  # [B, KV, T, W, hd]
+    vw = vw.transpose(0, 2, 1, 3, 4).reshape(b * t, kv, nw, blk, hd)
+    block = jnp.arange(nb, dtype=jnp.int32)[None, :]
+    in_window = (block >= w0[:, None]) & (block < (w0 + nw)[:, None])  # [B, NB]
+    prefix = jnp.arange(nb * blk, dtype=jnp.int32).reshape(1, nb, blk) < start[:, None, None]
+    outside = prefix & ~in_window[:, :, None]
+    return _TreeWindow(outside, sw, vw, w0, (b, t, g))
+
+
+def _attention(q, k_cache, v_cache, positions, cfg: ModelConfig, tree_mask=None):
     """Causal GQA attention of ``q [B, T, H, hd]`` over this row's cache ``[B, KV, S, hd]``:
     the query at position t sees slots ≤ t. Returns float32 ``[B, T, H·hd]``.
+
+    With ``tree_mask`` (bool ``[B, T, T]``, see :func:`decoder_block`): tree attention — query j
+    sees the committed prefix (slots < ``positions[:, 0]``) and the new tokens i with
+    ``tree_mask[:, j, i]`` (its ancestors and itself), whose K/V sit at slots
+    ``positions[:, 0] + i``; see :func:`_tree_visible` (float32) and :func:`_tree_window`
+    (reduced formats) for how that is computed without breaking batch invariance.
 
     Batch-invariant by construction (docs/design.md, "Batch invariance"): the cache is read in
     blocks of :data:`ATTENTION_BLOCK` slots, so each dot contracts a fixed length (``hd`` for
@@ -484,13 +666,28 @@ def _attention(q, k_cache, v_cache, positions, cfg: ModelConfig):
     scores = jnp.einsum("bkmd,bknsd->bknms", qg.astype(dt), kb.astype(dt),
                         preferred_element_type=jnp.float32) * (1.0 / math.sqrt(hd))
     slots = jnp.arange(nb * blk, dtype=jnp.int32).reshape(nb, 1, blk)
-    qpos = jnp.broadcast_to(positions[:, None, :], (b, h // kv, t)).reshape(b, 1, 1, (h // kv) * t, 1)
-    visible = slots[None, None] <= qpos  # [B, 1, NB, G·T, blk]
+    window = None
+    if tree_mask is None:
+        qpos = jnp.broadcast_to(positions[:, None, :], (b, h // kv, t)).reshape(b, 1, 1, (h // kv) * t, 1)
+        visible = slots[None, None] <= qpos  # [B, 1, NB, G·T, blk]
+    elif dt == jnp.float32:
+        visible = _tree_visible(tree_mask, positions[:, 0], h // kv, nb, blk)
+    else:  # the prefix outside the window here; the window's blocks per query (_tree_window)
+        window = _tree_window(scores, v_cache, positions, tree_mask, blk, dt)
+        visible = window.outside[:, None, :, None, :]  # [B, 1, NB, 1, blk]
     scores = jnp.where(visible, scores, -jnp.inf)
     m = jnp.max(scores, axis=(2, 4), keepdims=True)  # exact; slot 0 is always visible
+    if window is not None:
+        m = jnp.maximum(m, window.max())
     e = jnp.where(visible, jnp.exp(scores - m), 0.0).astype(dt)
-    denom = pairwise_sum(pairwise_sum(e.astype(jnp.float32), axis=-1), axis=2)  # [B, KV, G·T]
-    part = jnp.einsum("bknms,bknsd->bknmd", e, vb.astype(dt), preferred_element_type=jnp.float32)
+    if window is None:
+        denom = pairwise_sum(pairwise_sum(e.astype(jnp.float32), axis=-1), axis=2)  # [B, KV, G·T]
+        part = jnp.einsum("bknms,bknsd->bknmd", e, vb.astype(dt), preferred_element_type=jnp.float32)
+    else:  # per block: the blocks outside the window, plus the window's (exact zeros elsewhere)
+        block_sums, part = window.add_to(
+            pairwise_sum(e.astype(jnp.float32), axis=-1),
+            jnp.einsum("bknms,bknsd->bknmd", e, vb.astype(dt), preferred_element_type=jnp.float32), m)
+        denom = pairwise_sum(block_sums, axis=2)
     out = pairwise_sum(part, axis=2) / denom[..., None]  # [B, KV, G·T, hd]
     return out.reshape(b, kv, h // kv, t, hd).transpose(0, 3, 1, 2, 4).reshape(b, t, h * hd)
 
@@ -503,6 +700,7 @@ def decoder_block(
     v_cache: jax.Array,
     cfg: ModelConfig,
     inv_freq=None,
+    tree_mask: Bool[Array, "batch seq seq"] | None = None,
 ) -> tuple[Float[Array, "batch seq hidden"], jax.Array, jax.Array]:
     """One decoder block (pre-norm GQA attention with RoPE, then SwiGLU MLP) on the residual
     stream ``h``, writing its K/V into this block's cache arrays.
@@ -513,11 +711,21 @@ def decoder_block(
         a float32 ``<name>_scale``). Optional weights (the biases ``bq``/``bk``/``bv``/``bo``)
         may be absent.
       h: ``[B, T, D]`` float32 input of the block.
-      positions: ``[B, T]`` int32, contiguous per row: K/V are written at slots
-        ``positions[:, 0] + arange(T)``; the query at position t sees slots ≤ t.
+      positions: ``[B, T]`` int32 RoPE positions. K/V are always written at the contiguous
+        slots ``positions[:, 0] + arange(T)``. Without ``tree_mask`` they must be contiguous
+        (``positions[:, 0] + arange(T)``) and the query at position t sees slots ≤ t. With
+        ``tree_mask``: ``positions[:, j] = positions[:, 0] + depth_j`` (token 0 = the root,
+        depth 0), so slot ≠ position for a tree.
       k_cache, v_cache: ``[B, KV, S, hd]`` this block's cache arrays (any float dtype).
       cfg: heads, head_dim, RoPE and RMSNorm epsilon.
       inv_freq: ``cfg.rope_inv_freq()`` if already computed (``[hd/2]``).
+      tree_mask: ``None`` (causal attention, as above), or bool ``[B, T, T]`` for tree attention
+        (SpecInfer, Miao et al. 2024, "tree-based parallel decoding"; EAGLE-2, Li et al. 2024):
+        token j sees the committed prefix (slots < ``positions[:, 0]``) and the new tokens i with
+        ``tree_mask[:, j, i]``, which must be exactly j's ancestors and j itself, one per depth
+        ``0 .. depth_j`` (:func:`specjax.core.tree.block_attention_mask`). Each token's output is
+        that of the causal call over its root-to-token path (bit-identical in the reduced
+        formats, ≈ 1e-7 in float32; a chain is the causal call bit for bit in every format).
 
     Returns:
       ``(h [B, T, D] float32 output of the block, k_cache, v_cache)`` with the new K/V written.
@@ -540,7 +748,8 @@ def decoder_block(
     k = rope(k, positions, inv_freq)
     kc = _write(k_cache, k.transpose(0, 2, 1, 3), starts)
     vc = _write(v_cache, v.transpose(0, 2, 1, 3), starts)
-    a = _attention(q if p["wq"].dtype == jnp.float32 else q.astype(jnp.bfloat16), kc, vc, positions, cfg)
+    a = _attention(q if p["wq"].dtype == jnp.float32 else q.astype(jnp.bfloat16), kc, vc, positions, cfg,
+                   tree_mask=tree_mask)
     h = h + lin(a, "wo", "bo")
     x = rms_norm(h, p["mlp_norm"], cfg.rms_norm_eps)
     h = h + lin(jax.nn.silu(lin(x, "w_gate")) * lin(x, "w_up"), "w_down")
@@ -560,14 +769,19 @@ def forward(
     positions: Int[Array, "batch seq"],
     cache: KVCache,
     cfg: ModelConfig,
+    tree_mask: Bool[Array, "batch seq seq"] | None = None,
 ) -> tuple[Float[Array, "batch seq hidden"], KVCache]:
     """Run the decoder blocks and final norm; write K/V of ``tokens`` into ``cache``.
 
     Args:
       tokens: ``[B, T]`` int32 ids.
       positions: ``[B, T]`` int32; must be contiguous per row (``p0 + arange(T)``):
-        K/V are written at slots ``positions[:, 0] + arange(T)``.
+        K/V are written at slots ``positions[:, 0] + arange(T)``. With ``tree_mask``:
+        ``positions[:, 0] + depth`` (see :func:`decoder_block`); the slots are the same.
       cache: the KV cache; its ``lengths`` are NOT changed (the caller commits).
+      tree_mask: ``None`` (causal) or bool ``[B, T, T]``: one call verifies a draft tree
+        ``[root, node_0 .. node_{N-1}]`` (T = N + 1); see :func:`decoder_block`, and
+        :func:`compact_tree_cache` for the accepted path's K/V afterwards.
 
     Returns:
       ``(hidden [B, T, D] float32 after the final RMSNorm, updated cache)``.
@@ -577,7 +791,8 @@ def forward(
     h = embed_tokens(model, tokens)
     new_k, new_v = [], []
     for i, layer in enumerate(model.layers):
-        h, kc, vc = decoder_block(_arrays(layer), h, positions, cache.k[i], cache.v[i], cfg, inv_freq=inv_freq)
+        h, kc, vc = decoder_block(_arrays(layer), h, positions, cache.k[i], cache.v[i], cfg, inv_freq=inv_freq,
+                                  tree_mask=tree_mask)
         new_k.append(kc)
         new_v.append(vc)
     h = rms_norm(h, model.final_norm[...], cfg.rms_norm_eps)
@@ -615,12 +830,13 @@ def apply(
     cache: KVCache,
     cfg: ModelConfig,
     return_hidden: bool = False,
+    tree_mask: Bool[Array, "batch seq seq"] | None = None,
 ) -> Output:
     """Full model: ``Output(logits [B, T, V] float32, cache, hidden [B, T, D] or None)``.
 
-    See :func:`forward` for the argument contract.
+    See :func:`forward` for the argument contract (``tree_mask``: tree attention).
     """
-    h, cache = forward(graphdef, params, tokens, positions, cache, cfg)
+    h, cache = forward(graphdef, params, tokens, positions, cache, cfg, tree_mask=tree_mask)
     logits = lm_head(graphdef, params, h, cfg)
     return Output(logits, cache, h if return_hidden else None)
 
