@@ -11,6 +11,7 @@ program — plus two pytrees the loop carries as arguments: ``params`` (weights,
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any, NamedTuple, Protocol
 
 import jax
@@ -64,12 +65,80 @@ class Proposal(NamedTuple):
     state: Any
 
 
+@dataclasses.dataclass(frozen=True)
+class TreeShape:
+    """The static shape of the draft trees of a decode program (hashable; part of the program).
+
+    nodes: N, draft nodes per round and row (the target call verifies ``N + 1`` tokens: the
+      last committed token, then the nodes).
+    depth: D, the deepest node (at most D drafts are accepted per round; D plays γ's role).
+    topk: K, at most K children per node (the root included).
+
+    ``1 <= D <= N <= K + (D − 1)·K²`` (the last bound: the candidates of EAGLE-2's dynamic tree
+    expanding K nodes per level, :func:`specjax.core.tree.build_dynamic_tree`). K = 1 forces
+    N = D: a chain of γ = D drafts.
+
+    Raises ValueError (on construction) for sizes outside these ranges.
+    """
+
+    nodes: int
+    depth: int
+    topk: int
+
+    def __post_init__(self):
+        for name in ("nodes", "depth", "topk"):
+            v = getattr(self, name)
+            try:
+                iv = operator.index(v)  # int or numpy integer, not a float or bool
+            except TypeError:
+                iv = None
+            if iv is None or isinstance(v, bool) or iv < 1:
+                raise ValueError(f"tree {name} must be an integer >= 1, got {v!r}")
+            object.__setattr__(self, name, int(iv))
+        n, d, k = self.nodes, self.depth, self.topk
+        if d > n:
+            raise ValueError(f"tree depth ({d}) must be <= tree nodes ({n}): a path of depth D holds D nodes")
+        if n > self.max_nodes(d, k):
+            raise ValueError(f"tree nodes ({n}) must be <= K + (D-1)·K² = {self.max_nodes(d, k)} for depth {d} and "
+                             f"topk {k} (the candidates of a dynamic tree); lower --tree-nodes or raise "
+                             "--tree-depth/--tree-topk")
+
+    @staticmethod
+    def max_nodes(depth: int, topk: int) -> int:
+        """The most nodes a tree of this depth and top-k may have: ``K + (D − 1)·K²``."""
+        return topk + (depth - 1) * topk * topk
+
+    @property
+    def label(self) -> str:
+        """``"tree(N8,D4,K2)"``: how progress lines, tables and JSON name the shape."""
+        return f"tree(N{self.nodes},D{self.depth},K{self.topk})"
+
+
+class TreeProposal(NamedTuple):
+    """A drafter's tree for one round (:meth:`Drafter.propose_tree`).
+
+    tree: a :class:`specjax.core.tree.DraftTree` ``[B, N]`` with ``max_depth = D`` and
+      ``max_children = K`` of the program's :class:`TreeShape` (invalid nodes: never accepted;
+      their ``parents``/``depth`` must still describe a tree, e.g. ``-1`` / ``1``), and
+      ``draft_probs [B, N+1, V]`` when ``scheme`` needs them (``None`` for ``"deterministic"``).
+    scheme: how the children were drawn, one of :data:`specjax.core.tree.SCHEMES` (a Python
+      string, static): it selects the exact acceptance rule (:func:`specjax.core.tree.verify_tree`).
+    state: the drafter's updated state.
+    """
+
+    tree: Any
+    scheme: str
+    state: Any
+
+
 class Drafter(Protocol):
     """Protocol of a drafter (static part; hashable so it can key compiled programs).
 
     name: short label for stats and tables.
     params: weight pytree passed to the jitted loop as an argument (or ``None``).
     always_proposes: ``num_valid`` is always γ (a model drafter without a confidence cut-off).
+      With a tree: every row always has at least one valid node (the loop then compiles only
+      the tree call, no one-token step for rounds without drafts).
       The loop then compiles only the γ+1-token verification call (a round with nothing
       allowed, near ``max_new_tokens``, verifies with ``num_allowed = 0``, which is a plain
       step's distribution); otherwise it also compiles a one-token target step for rounds
@@ -112,4 +181,24 @@ class Drafter(Protocol):
           a :class:`Proposal`: ``tokens [B, γ]`` int32, ``probs [B, γ, V]`` float32 (q_i, exactly
           the distribution x_i was drawn from, made with ``context.sampling.process``),
           ``num_valid [B]`` int32 in [0, γ], and the new state.
+        """
+
+    # Optional: drafters that propose trees (specjax.drafters.ngram, specjax.drafters.eagle).
+    # A drafter without it decodes trees of K = 1 only (its chain, verified with "iid").
+    def propose_tree(self, params, state, context: DraftContext, keys, shape: TreeShape,
+                     vocab_size: int) -> TreeProposal:
+        """Propose a draft tree of ``shape`` per row, traced inside the jitted loop (one call per round).
+
+        Args:
+          params, state: as for :meth:`propose`.
+          context: as for :meth:`propose`, except that ``target_hidden`` is ``[B, D+1, D_h]``: the
+            target's hidden states at the root and the accepted path of the last round (index
+            ``last_accepted`` holds the state at position ``lengths-2``, as for a chain).
+          keys: ``[B, N, 2]`` uint32 PRNG keys, one per row and node (a sampling drafter draws
+            node i with ``keys[:, i]``; a chain of K = 1 gets the keys :meth:`propose` gets).
+          shape: the program's :class:`TreeShape` (static). vocab_size: the target's V (static).
+
+        Returns:
+          a :class:`TreeProposal`; node tokens must be ``< vocab_size``. With K = 1 a drafter
+          should propose its chain (then tree decoding equals chain decoding with γ = D).
         """
