@@ -53,7 +53,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.models.config import ModelConfig
-from specjax.core.drafting import DraftContext, Proposal
+from specjax.core.drafting import DraftContext, Proposal, TreeProposal, TreeShape
+from specjax.core.tree import DraftTree, block_attention_mask, build_dynamic_tree, positions
 from specjax.drafters.ngram import lookup_candidate
 from specjax.models import llama
 from specjax.core.sampling import sample
@@ -188,13 +189,15 @@ def new_cache(cfg: EagleConfig, batch: int, max_len: int, dtype=jnp.float32) -> 
     return llama.KVCache.create(cfg.layer, batch, max_len, dtype)
 
 
-def forward(cfg: EagleConfig, params: dict, feats, tokens, positions, cache: llama.KVCache):
+def forward(cfg: EagleConfig, params: dict, feats, tokens, positions, cache: llama.KVCache, tree_mask=None):
     """Drafter block over T positions.
 
     Args:
       params: ``{"train": trainable, "frozen": frozen}``.
       feats: ``[B, T, D]`` h_{t-1} per position (target's or the drafter's own).
-      tokens: ``[B, T]`` x_t; positions ``[B, T]`` contiguous per row.
+      tokens: ``[B, T]`` x_t; positions ``[B, T]`` contiguous per row (with ``tree_mask``: the
+        root's position + depth, see :func:`specjax.models.llama.decoder_block`).
+      tree_mask: ``None`` (causal) or bool ``[B, T, T]`` (tree attention over ``[root, nodes]``).
     Returns:
       ``(f [B, T, D] float32 predicted features, cache with K/V written at the positions)``.
     """
@@ -203,7 +206,7 @@ def forward(cfg: EagleConfig, params: dict, feats, tokens, positions, cache: lla
     e = jnp.take(fz["embed"], tokens, axis=0).astype(jnp.float32)
     x = llama.dense(jnp.concatenate([feats.astype(jnp.float32), e], axis=-1), tp["fc"], tp["fc_b"],
                     tp.get("fc_scale"))
-    x, kc, vc = llama.decoder_block(tp["layer"], x, positions, cache.k[0], cache.v[0], l)
+    x, kc, vc = llama.decoder_block(tp["layer"], x, positions, cache.k[0], cache.v[0], l, tree_mask=tree_mask)
     f = llama.rms_norm(x, tp["out_norm"], l.rms_norm_eps)
     return f, llama.KVCache(k=[kc], v=[vc], lengths=cache.lengths)
 
@@ -329,33 +332,52 @@ class EagleDrafter:
         h0 = jnp.where((context.lengths >= 2)[:, None], h0, 0.0)
         return {"cache": cache, "h0": h0.astype(jnp.float32), "fresh": jnp.ones((b,), bool)}
 
-    def propose(self, params, state, context: DraftContext, keys, gamma: int, vocab_size: int) -> Proposal:
-        cfg = self.config
+    def _reencode(self, params, state, context: DraftContext):
+        """Step 1 of a round (module docstring): the drafter call over the last call's true target
+        features at positions L0 .. L0 + W − 1 (W = ``target_hidden.shape[1]``). Returns
+        ``(f1 [B, D] the feature at position L − 1, the drafter cache, the features fed [B, W, D])``."""
         lengths = context.lengths
         n = context.last_accepted
-        hid = context.target_hidden  # [B, γ+1, D]
+        hid = context.target_hidden  # [B, γ+1, D] (a tree: [B, D+1, D_h], the root and the accepted path)
         fresh = state["fresh"]
         hid = jnp.where(fresh[:, None, None], hid.at[:, 0].set(state["h0"]), hid)
         l0 = lengths - n - 1
         buf = context.tokens.shape[1]
         pos = l0[:, None] + jnp.arange(hid.shape[1], dtype=jnp.int32)
         toks = jnp.take_along_axis(context.tokens, jnp.minimum(pos, buf - 1), axis=1)
-        f, cache = forward(cfg, params, hid, toks, pos, state["cache"])
+        f, cache = forward(self.config, params, hid, toks, pos, state["cache"])
         f1 = jnp.take_along_axis(f, n[:, None, None], axis=1)[:, 0]  # position L-1
+        return f1, cache, hid
+
+    def _logits(self, params, feat, tbuf, tlen, vocab_size: int):
+        """Logits ``[M, V]`` for features ``feat [M, D]`` whose contexts are ``tbuf [M, L]``,
+        ``tlen [M]`` (the copy term's candidate is looked up there)."""
+        cfg = self.config
+        if cfg.copy_ngram:
+            cand, cn = lookup_candidate(tbuf, tlen, cfg.copy_ngram)
+            return full_logits(params, feat, vocab_size, cand, cn)
+        return full_logits(params, feat, vocab_size)
+
+    def _confidence(self, logits):
+        """The drafter's confidence (largest probability at temperature 1) ``[...]``; ones when
+        ``min_confidence`` is 0 (static: no extra vocabulary-wide pass when unused)."""
+        if self.min_confidence > 0:
+            return jnp.exp(jnp.max(logits, axis=-1) - jax.nn.logsumexp(logits, axis=-1))
+        return jnp.ones(logits.shape[:-1], jnp.float32)
+
+    def propose(self, params, state, context: DraftContext, keys, gamma: int, vocab_size: int) -> Proposal:
+        cfg = self.config
+        lengths = context.lengths
+        buf = context.tokens.shape[1]
+        f1, cache, _ = self._reencode(params, state, context)
+        fresh = state["fresh"]
 
         rows = jnp.arange(lengths.shape[0])
 
         def draw(feat, key_col, tbuf, tlen):
-            if cfg.copy_ngram:
-                cand, cn = lookup_candidate(tbuf, tlen, cfg.copy_ngram)
-                logits = full_logits(params, feat, vocab_size, cand, cn)
-            else:
-                logits = full_logits(params, feat, vocab_size)
+            logits = self._logits(params, feat, tbuf, tlen, vocab_size)
             probs = context.sampling.process(logits)
-            if self.min_confidence > 0:  # static: no extra vocabulary-wide pass when unused
-                conf = jnp.exp(jnp.max(logits, axis=-1) - jax.nn.logsumexp(logits, axis=-1))
-            else:
-                conf = jnp.ones(logits.shape[:-1], jnp.float32)
+            conf = self._confidence(logits)
             return jax.vmap(sample)(key_col, probs), (probs, conf)
 
         tbuf = context.tokens
@@ -384,6 +406,87 @@ class EagleDrafter:
         num_valid = jnp.sum(jnp.cumprod(conf >= self.min_confidence, axis=1), axis=1).astype(jnp.int32)
         state = {"cache": cache, "h0": state["h0"], "fresh": jnp.zeros_like(fresh)}
         return Proposal(tokens.astype(jnp.int32), q, num_valid, state)
+
+    def propose_tree(self, params, state, context: DraftContext, keys, shape: TreeShape,
+                     vocab_size: int) -> TreeProposal:
+        """EAGLE-2's dynamic draft tree (Li et al. 2024): :func:`specjax.core.tree.build_dynamic_tree`
+        with ``children = expand_width = K``, ``depth = D``, ``num_nodes = N``.
+
+        Candidates are ranked by the drafter's path probability under its distribution at
+        temperature 1 (``softmax`` of the same logits that make q, copy term included), whatever
+        the sampling settings: the tree is a deterministic function of the context, verified
+        with the ``"deterministic"`` scheme (:data:`specjax.core.tree.SCHEMES`), so no q is
+        returned. With ``min_confidence > 0`` the children of a node whose distribution's
+        largest probability is below it are invalid (a chain's leading-confidence rule).
+
+        The drafter's attention over the tree: step 1 (the call over the last round's true target
+        features at the root and the accepted path) updates the cache, as for a chain. Then each
+        level expands its K best candidates in ONE call over a forest ``[root, path of
+        candidate 1, .., path of candidate K]`` (each path: the candidate's ancestors and itself,
+        fed the drafter's own features of their parents) with ``tree_mask`` — every path node sees
+        the committed prefix, the root and its own ancestors, at position ``L − 1 + depth``. Those
+        calls' cache writes are dropped (their K/V sit at scratch slots ``L − 1 ..
+        L − 1 + K·(D − 1)``, inside the program's spare slots): the cache keeps only committed
+        positions, and the next round's step 1 rewrites the accepted path's positions with the
+        target's features, so the state follows the accepted path without a compaction. With
+        K = 1 the forest is the chain, and the tree is the greedy chain :meth:`propose` drafts at
+        temperature 0 (its ranking's top-1 is q's argmax).
+        """
+        cfg = self.config
+        lengths = context.lengths
+        b, buf = context.tokens.shape
+        n = context.last_accepted
+        f1, cache, hid = self._reencode(params, state, context)
+        h_root = jnp.take_along_axis(hid, n[:, None, None], axis=1)[:, 0]  # h at L-2: the root's input
+        root_tok = jnp.take_along_axis(context.tokens, (lengths - 1)[:, None], axis=1)  # [B, 1]
+        d_max, k = shape.depth, shape.topk
+        hidden = cfg.hidden_size
+
+        def ranked(logits):  # [M, V] -> the ranking distribution (0 below min_confidence)
+            probs = jax.nn.softmax(logits, axis=-1)
+            if self.min_confidence > 0:
+                probs = jnp.where((self._confidence(logits) >= self.min_confidence)[..., None], probs, 0.0)
+            return probs
+
+        root_probs = ranked(self._logits(params, f1, context.tokens, lengths, vocab_size))
+        feat_of = {"f": jnp.zeros((b, k + (d_max - 1) * k * k, hidden), jnp.float32)}  # per expanded candidate
+
+        def expand(level, frontier, pool):
+            w = frontier.shape[1]
+            path = [frontier]  # candidate ids at depths level, level-1, .., 1
+            for _ in range(level - 1):
+                path.insert(0, jnp.take_along_axis(pool.parents, path[0], axis=1))
+            path = jnp.stack(path, axis=2)  # [B, W, level], root → frontier
+            flat = path.reshape(b, w * level)
+            ptok = jnp.take_along_axis(pool.tokens, flat, axis=1)  # [B, W·level]
+            parent_f = jnp.take_along_axis(feat_of["f"], path[:, :, :-1].reshape(b, -1)[..., None], axis=1)
+            feats = jnp.concatenate([jnp.broadcast_to(f1[:, None, None], (b, w, 1, hidden)),
+                                     parent_f.reshape(b, w, level - 1, hidden)], axis=2)
+            j = jnp.arange(w * level, dtype=jnp.int32)
+            forest = DraftTree(ptok, jnp.broadcast_to(jnp.where(j % level == 0, -1, j - 1), (b, w * level)),
+                               jnp.broadcast_to(j % level + 1, (b, w * level)), jnp.ones((b, w * level), bool),
+                               None, level, w)
+            fo, _ = forward(cfg, params, jnp.concatenate([h_root[:, None], feats.reshape(b, w * level, hidden)], 1),
+                            jnp.concatenate([root_tok, ptok], axis=1), positions(forest, lengths), cache,
+                            tree_mask=block_attention_mask(forest))
+            f_front = fo[:, level::level]  # [B, W]: each lane's last node (block index (w+1)·level)
+            feat_of["f"] = jax.vmap(lambda a, i, v: a.at[i].set(v))(feat_of["f"], frontier, f_front)
+            tb = tlen = None
+            if cfg.copy_ngram:  # each lane's copy candidate sees the committed tokens and its path
+                tb = jnp.broadcast_to(context.tokens[:, None, :], (b, w, buf))
+                steps = ptok.reshape(b, w, level)
+                for i in range(level):
+                    slot = jnp.minimum(lengths + i, buf - 1)
+                    tb = tb.at[jnp.arange(b)[:, None], jnp.arange(w)[None, :], slot[:, None]].set(steps[:, :, i])
+                tb = tb.reshape(b * w, buf)
+                tlen = jnp.repeat(jnp.minimum(lengths + level, buf), w)
+            logits = self._logits(params, f_front.reshape(b * w, hidden), tb, tlen, vocab_size)
+            return ranked(logits).reshape(b, w, vocab_size)
+
+        tree, _ = build_dynamic_tree(root_probs, expand, depth=d_max, children=k, expand_width=k,
+                                     num_nodes=shape.nodes)
+        state = {"cache": cache, "h0": state["h0"], "fresh": jnp.zeros_like(state["fresh"])}
+        return TreeProposal(tree, "deterministic", state)
 
 
 # ------------------------------------------------------------------ fingerprint / files
