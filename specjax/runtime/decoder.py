@@ -17,10 +17,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.core.drafting import TreeShape
 from specjax.core.sampling import SamplingParams
 from specjax.models.llama import kv_cache_dtype
 from specjax.runtime.loop import (  # noqa: F401  (_start/_run/… re-exported for sharding and tests)
     DecodeState, Logprobs, Program, Stats, _run, _run_jit, _size_for_gamma, _start, _start_jit, _start_program,
+    tree_scratch,
 )
 from specjax.runtime.progress import phase
 
@@ -68,7 +70,8 @@ def _bucket(n: int, size: int) -> int:
 def decode_buffer_len(prompt_len: int, max_new_tokens: int, gamma: int, min_prompt_bucket: int = PROMPT_BUCKET) -> int:
     """Token/KV buffer slots of a program for prompts of up to ``prompt_len`` tokens: the
     prompt bucket (:func:`prompt_bucket` with ``min_prompt_bucket``) + ``max_new_tokens`` + γ
-    + 1 spare slots, rounded up to ``BUFFER_BUCKET``."""
+    + 1 spare slots, rounded up to ``BUFFER_BUCKET``. With a draft tree pass
+    :func:`specjax.runtime.loop.tree_scratch` of its shape (≥ N) as ``gamma``."""
     return _bucket(prompt_bucket(int(prompt_len), min_prompt_bucket) + int(max_new_tokens) + int(gamma) + 1,
                    BUFFER_BUCKET)
 
@@ -120,6 +123,35 @@ def request_keys(seed: int | Sequence[int], batch: int, offset: int = 0) -> jax.
     return jax.vmap(lambda i: jax.random.fold_in(base, i))(rows)
 
 
+def tree_shape(nodes=None, depth=None, topk=None) -> TreeShape | None:
+    """The :class:`~specjax.core.drafting.TreeShape` of the keywords ``tree_nodes``,
+    ``tree_depth``, ``tree_topk`` (``None`` when none is given: chains).
+
+    Raises:
+      ValueError: some but not all three given, or sizes outside the ranges of ``TreeShape``.
+    """
+    given = {"tree_nodes": nodes, "tree_depth": depth, "tree_topk": topk}
+    if all(v is None for v in given.values()):
+        return None
+    missing = [k for k, v in given.items() if v is None]
+    if missing:
+        raise ValueError(f"a draft tree needs tree_nodes, tree_depth and tree_topk together; missing "
+                         f"{', '.join(missing)}")
+    return TreeShape(nodes, depth, topk)
+
+
+def check_tree_drafter(tree: TreeShape | None, drafter) -> None:
+    """Refuse a tree the drafter cannot propose: no drafter, or K > 1 for a drafter without
+    ``propose_tree`` (a draft model: chains only). Raises ValueError."""
+    if tree is None:
+        return
+    if drafter is None:
+        raise ValueError("a draft tree needs a drafter (ngram, default or an EAGLE drafter path)")
+    if tree.topk > 1 and not hasattr(drafter, "propose_tree"):
+        raise ValueError(f"drafter {getattr(drafter, 'name', drafter)!r} proposes chains only (a tree needs "
+                         "--draft ngram, default or an EAGLE drafter); use tree topk 1 or --gamma")
+
+
 def _validate(prompts, max_new_tokens, gamma, drafter, ctx_limit):
     if not prompts:
         raise ValueError("no prompts given; pass at least one prompt")
@@ -158,14 +190,26 @@ class Decoder:
     (:func:`prompt_bucket`); a larger value compiles fewer prompt shapes for more padding
     (e.g. 512 when prompts of many lengths are decoded).
 
+    ``tree_nodes``, ``tree_depth``, ``tree_topk``: draft trees (all three, or none for chains of
+    γ drafts): N nodes, depth D, at most K children per node (:class:`~specjax.core.drafting.TreeShape`;
+    ``gamma`` is then ignored: D is the most drafts a round accepts). The drafter proposes a tree
+    per round (``propose_tree``; a drafter without it only K = 1, its chain), one target call
+    verifies all N nodes, and the accepted path is committed (:func:`specjax.runtime.loop._tree_round`).
+
     Raises:
-      ValueError: ``gamma`` not an integer ≥ 1 with a drafter, or ``prompt_bucket`` not an
-        integer ≥ 1.
+      ValueError: ``gamma`` not an integer ≥ 1 with a drafter, ``prompt_bucket`` not an
+        integer ≥ 1, or a tree that is incomplete, out of range, without a drafter or with
+        K > 1 for a drafter that proposes chains only.
     """
 
     def __init__(self, target, drafter=None, gamma: int = 4, mesh=None, progress=None,
-                 prompt_bucket: int = PROMPT_BUCKET):
+                 prompt_bucket: int = PROMPT_BUCKET, tree_nodes: int | None = None,
+                 tree_depth: int | None = None, tree_topk: int | None = None):
         self.progress = progress
+        self.tree = tree_shape(tree_nodes, tree_depth, tree_topk)
+        check_tree_drafter(self.tree, drafter)
+        if self.tree is not None:
+            gamma = self.tree.depth
         if drafter is not None and (int(gamma) != gamma or gamma < 1):
             raise ValueError(f"gamma (num_draft_tokens) must be an integer >= 1, got {gamma!r}")
         if isinstance(prompt_bucket, bool) or int(prompt_bucket) != prompt_bucket or prompt_bucket < 1:
@@ -214,9 +258,10 @@ class Decoder:
     def _program(self, prompt_len: int, max_new_tokens: int, logprobs: int | None) -> Program:
         """The Program for prompts of up to ``prompt_len`` tokens and rows of up to
         ``max_new_tokens`` new tokens (already capped to the context)."""
-        buf = decode_buffer_len(int(prompt_len), int(max_new_tokens), self.gamma, self.prompt_bucket)
+        spare = self.gamma if self.tree is None else tree_scratch(self.tree)
+        buf = decode_buffer_len(int(prompt_len), int(max_new_tokens), spare, self.prompt_bucket)
         return Program(self.target.config, self.target.graphdef, self.drafter, self.gamma, buf, self.cache_dtype,
-                       -1 if logprobs is None else int(logprobs))
+                       -1 if logprobs is None else int(logprobs), self.tree)
 
     def program(self, prompt_len: int, max_new_tokens: int = 128, logprobs: int | None = None) -> Program:
         """The decode :class:`Program` this Decoder runs for prompts of ``prompt_len`` tokens:
@@ -284,7 +329,11 @@ class Decoder:
         prog, args = self.prepare(prompts, **kw)
         sprog = prog if self.mesh is not None else _start_program(prog)
         compiled = self._key("start", sprog, args) in self._compiled
-        what = "prefill + decode loop" + (f" (γ = {prog.gamma})" if prog.drafter is not None else "")
+        what = "prefill + decode loop"
+        if prog.tree is not None:
+            what += f" (tree {prog.tree.label})"
+        elif prog.drafter is not None:
+            what += f" (γ = {prog.gamma})"
         with phase(None if compiled else self.progress,
                    f"compiling {what} for prompts of ≤ {args[2].shape[1]} tokens "
                    "(once per length bucket; the on-disk cache makes the next run faster)"):
@@ -502,7 +551,8 @@ def _result(st: DecodeState, compile_s, prefill_s, decode_s, cuts=None, model_eo
     return GenerationResult(out_tokens, out_stats, compile_s, prefill_s, decode_s, out_lp if lp is not None else None)
 
 
-def generate(target, prompts, *, drafter=None, gamma: int = 4, **kw) -> GenerationResult:
+def generate(target, prompts, *, drafter=None, gamma: int = 4, tree_nodes=None, tree_depth=None, tree_topk=None,
+             **kw) -> GenerationResult:
     """Decode token-id prompts with ``target``; speculative when ``drafter`` is given.
 
     Args:
@@ -510,6 +560,7 @@ def generate(target, prompts, *, drafter=None, gamma: int = 4, **kw) -> Generati
       prompts: list of B token-id lists (different lengths allowed).
       drafter: ``None`` (autoregressive) or a drafter (:mod:`specjax.drafters`).
       gamma: draft tokens per round γ (``num_draft_tokens``), ≥ 1.
+      tree_nodes, tree_depth, tree_topk: draft trees instead of chains (see :class:`Decoder`).
       max_new_tokens: int or ``[B]`` ints ≥ 1 (clipped per row to the context).
       sampling: :class:`SamplingParams` (default greedy).
       seed / keys: request keys (see :func:`request_keys`).
@@ -519,7 +570,8 @@ def generate(target, prompts, *, drafter=None, gamma: int = 4, **kw) -> Generati
       ValueError: empty prompt list or prompt, prompt longer than the context,
         ``max_new_tokens < 1``, ``gamma < 1``.
     """
-    return Decoder(target, drafter, gamma).generate(prompts, **kw)
+    return Decoder(target, drafter, gamma, tree_nodes=tree_nodes, tree_depth=tree_depth,
+                   tree_topk=tree_topk).generate(prompts, **kw)
 
 
 def speculative_generate(target, drafter, prompts, *, gamma: int = 4, **kw) -> GenerationResult:

@@ -25,8 +25,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from specjax.core import tree as tree_ops
 from specjax.core.acceptance import verify
-from specjax.core.drafting import DraftContext
+from specjax.core.drafting import DraftContext, TreeProposal, TreeShape
 from specjax.core.sampling import SamplingParams, sample
 from specjax.models import llama
 from specjax.models.config import ModelConfig
@@ -136,7 +137,12 @@ class Logprobs:
 
 @dataclasses.dataclass(frozen=True)
 class Program:
-    """Static description of one compiled decode program (hashable)."""
+    """Static description of one compiled decode program (hashable).
+
+    ``tree``: ``None`` (chains of γ drafts: the program of every decoder without a tree) or the
+    :class:`~specjax.core.drafting.TreeShape` of draft trees (:func:`_tree_round`); then
+    ``gamma`` is the tree's depth D (at most D drafts are accepted per round, and every
+    ``[B, γ+1, ·]`` array of the state is ``[B, D+1, ·]``)."""
 
     cfg: ModelConfig
     graphdef: Any
@@ -145,11 +151,24 @@ class Program:
     buffer_len: int
     cache_dtype: str = "float32"
     logprobs: int = -1  # top alternatives recorded per token; -1 = no log-probabilities
+    tree: TreeShape | None = None
+
+    def __post_init__(self):
+        if self.tree is not None and (self.drafter is None or self.gamma != self.tree.depth):
+            raise ValueError(f"a tree program needs a drafter and gamma = the tree's depth {self.tree.depth}, "
+                             f"got drafter {self.drafter!r}, gamma {self.gamma}")
 
     @property
     def block(self) -> int:
-        """Tokens one round may commit: γ + 1 with a drafter, else 1."""
+        """Tokens one round may commit: γ + 1 with a drafter (a tree: D + 1), else 1."""
         return self.gamma + 1 if self.drafter is not None else 1
+
+
+def tree_scratch(shape: TreeShape) -> int:
+    """Slots a tree round writes beyond the root (the last committed token): the target call's
+    N nodes, and a drafter's forest calls (:meth:`specjax.drafters.eagle.EagleDrafter.propose_tree`:
+    K paths of up to D − 1 nodes). Buffers keep this many + 1 spare slots."""
+    return max(shape.nodes, shape.topk * (shape.depth - 1))
 
 
 def _start(prog: Program, tparams, dparams, prompt, prompt_lengths, max_new, eos, keys, sampling) -> DecodeState:
@@ -317,17 +336,21 @@ def _round(prog: Program, tparams, dparams, st: DecodeState) -> DecodeState:
     )
 
 
-def _count(prog: Program, st: DecodeState, n, allowed, count, new):
+def _count(prog: Program, st: DecodeState, n, allowed, count, new, rejected=None):
     """The round's counters and per-token record, counting only committed tokens: an EOS on
     an accepted draft (``count <= n``) ends the round's counts there (the drafts up to it are
     offered, checked and accepted; nothing after it). ``n``, ``allowed``, ``count``, ``new``:
-    ``[B]`` int32 accepted drafts, drafts allowed, tokens committed, new tokens so far.
-    Returns ``(Stats, emit_info [B, L], emit_round [B, L])``."""
+    ``[B]`` int32 accepted drafts, drafts allowed (a tree: valid nodes offered), tokens
+    committed, new tokens so far. ``rejected``: ``[B]`` bool, the round ended with a rejected
+    draft (default: a chain's ``n < allowed``; a tree passes whether the accepted node had a
+    valid child). Returns ``(Stats, emit_info [B, L], emit_round [B, L])``."""
     b, width = st.lengths.shape[0], prog.block
     a = (~st.done).astype(jnp.int32)
     cut = count <= n
     accepted = jnp.where(cut, count, n) * a
-    rejected = ((n < allowed) & ~cut).astype(jnp.int32) * a
+    if rejected is None:
+        rejected = n < allowed
+    rejected = (rejected & ~cut).astype(jnp.int32) * a
     drafted = jnp.where(cut, count, allowed) * a
     s = st.stats
     stats = Stats(
@@ -346,19 +369,138 @@ def _count(prog: Program, st: DecodeState, n, allowed, count, new):
     return stats, emit_info, emit_round
 
 
+def _propose_tree(drafter, dparams, dstate, ctx: DraftContext, keys, shape: TreeShape, vocab: int) -> TreeProposal:
+    """The drafter's tree: :meth:`~specjax.core.drafting.Drafter.propose_tree`, or for a drafter
+    without it (a draft model) its chain of γ = D drafts as a tree of K = 1, verified with
+    ``"iid"`` (one child drawn from q per node: Leviathan et al.'s Algorithm 1 exactly)."""
+    if hasattr(drafter, "propose_tree"):
+        return drafter.propose_tree(dparams, dstate, ctx, keys, shape, vocab)
+    if shape.topk != 1:
+        raise ValueError(f"drafter {getattr(drafter, 'name', drafter)!r} proposes chains only; use a tree of "
+                         "topk 1 or a drafter that proposes trees (ngram, an EAGLE drafter)")
+    prop = drafter.propose(dparams, dstate, ctx, keys, shape.depth, vocab)
+    return TreeProposal(tree_ops.chain_tree(prop), "iid", prop.state)
+
+
+def _tree_round(prog: Program, tparams, dparams, st: DecodeState) -> DecodeState:
+    """One round with a draft tree for every row (issue 18; the chain's :func:`_round` with a tree).
+
+    1. The drafter proposes a tree of ``prog.tree`` = (N, D, K) per row (:func:`_propose_tree`);
+       nodes deeper than ``max_new - new - 1`` are made invalid (:func:`specjax.core.tree.limit_depth`:
+       at most that many drafts may be accepted; the walk then draws from p, not a residual).
+    2. ONE target call over ``[last committed, node_0 .. node_{N-1}]`` at positions
+       ``lengths - 1 + depth`` with the tree mask; its K/V go to slots ``lengths-1 .. lengths-1+N``.
+       (A drafter that may propose nothing gets a one-token step instead when no row has a valid
+       node, as for chains.)
+    3. :func:`specjax.core.tree.verify_tree` with the drafter's scheme on the processed p of every
+       row — greedy rows included (one-hot p: the path the target's argmax follows) — gives the
+       accepted path (n nodes) and the next token.
+    4. Commit the path's tokens and the next token (cut after an EOS, :func:`_commit`);
+       :func:`specjax.models.llama.compact_tree_cache` moves the path's K/V to slots
+       ``lengths .. lengths + n - 1`` (the causal cache again); the target's hidden states and
+       p at ``[root, path...]`` become ``target_hidden [B, D+1, ·]`` (feature drafters) and the
+       emitted tokens' log-probabilities.
+
+    Keys: ``fold_in(key, round)`` split in N + 2: one drafter key per node, the node uniforms
+    (``[N]``, one per node), the final draw's key — for K = 1 (N = γ) the chain's layout.
+    Counters (:func:`_count`): drafted = valid nodes offered; accepted = n; checked = n + 1 when
+    the walk ended on a rejection (the accepted node — the root if n = 0 — had a valid child),
+    else n; ``accept_hist`` by n (D + 1 bins). For K = 1 these are the chain's counters."""
+    shape = prog.tree
+    b = st.lengths.shape[0]
+    nodes, depth = shape.nodes, shape.depth
+    width = prog.block  # D + 1
+    active = ~st.done
+    rkeys = jax.vmap(lambda k: jax.random.split(jax.random.fold_in(k, st.round), nodes + 2))(st.keys)  # [B, N+2, 2]
+    res_keys = rkeys[:, nodes + 1]
+    last = jnp.take_along_axis(st.tokens, (st.lengths - 1)[:, None], axis=1)  # [B, 1]
+    remaining = st.max_new - st.stats.new_tokens
+    vocab = prog.cfg.vocab_size
+    zeros = jnp.zeros((b,), jnp.int32)
+    no = jnp.zeros((b,), bool)
+
+    ctx = DraftContext(st.tokens, st.lengths, st.sampling, st.target_hidden, st.last_accepted)
+    prop = _propose_tree(prog.drafter, dparams, st.drafter_state, ctx, rkeys[:, :nodes], shape, vocab)
+    allowed = jnp.where(active, jnp.clip(remaining - 1, 0, depth), 0).astype(jnp.int32)
+    tree = tree_ops.limit_depth(prop.tree, allowed)
+    live = tree_ops._live(tree)
+    offered = jnp.sum(live, axis=1, dtype=jnp.int32)
+    u = jax.vmap(lambda k: jax.random.uniform(k, (nodes,), jnp.float32))(rkeys[:, nodes])
+
+    def chunk_of(drafts, n, nxt):  # [B, W]: drafts x_1..x_n, then the next token at n
+        chunk = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
+        return jnp.where(jnp.arange(width)[None, :] == n[:, None], nxt[:, None], chunk)
+
+    def logprobs_of(p, logits, chunk):
+        if prog.logprobs < 0:
+            return None
+        return _emitted_logprobs(prog, st.sampling, p, logits, chunk[:, :p.shape[1]], width)
+
+    def spec(st, dstate):
+        inputs = jnp.concatenate([last, tree.tokens], axis=1)  # [B, N+1]
+        out = llama.apply(prog.graphdef, tparams, inputs, tree_ops.positions(tree, st.lengths), st.target_cache,
+                          prog.cfg, return_hidden=True, tree_mask=tree_ops.block_attention_mask(tree))
+        p = st.sampling.process(out.logits)  # [B, N+1, V]
+        acc = tree_ops.verify_tree(tree, p, u, res_keys, prop.scheme)
+        n, path = acc.n, acc.path
+        drafts = jnp.maximum(tree_ops.path_tokens(tree, path), 0)  # [B, D]
+        chunk = chunk_of(drafts, n, acc.next_token)
+        rows = jnp.concatenate([zeros[:, None], jnp.where(path >= 0, path + 1, 0)], axis=1)  # [root, path] in the block
+        hidden = jnp.take_along_axis(out.hidden, rows[..., None], axis=1)  # [B, D+1, D_h]
+        cache = llama.compact_tree_cache(out.cache, st.lengths - 1, path, n)
+        at = jnp.where(n > 0, jnp.take_along_axis(path, jnp.maximum(n - 1, 0)[:, None], axis=1)[:, 0], -1)
+        kids = tree_ops.children_table(tree)  # [B, N+1, K]
+        rejected = jnp.take_along_axis(kids[:, :, 0], (at + 1)[:, None], axis=1)[:, 0] >= 0
+        lps = None
+        if prog.logprobs >= 0:
+            gather = lambda x: jnp.take_along_axis(x, rows[..., None], axis=1)  # noqa: E731
+            lps = logprobs_of(gather(p), gather(out.logits), chunk)
+        return cache, n, chunk, offered, rejected, dstate, hidden, lps
+
+    def plain(st, dstate):  # no row has a valid node: a one-token step (as the chain's no_match)
+        p, logits, cache, hid1 = _target_step(prog, tparams, st, last, True)
+        nxt = jax.vmap(sample)(res_keys, p[:, 0])
+        hidden = jnp.zeros_like(st.target_hidden).at[:, :1].set(hid1)
+        chunk = chunk_of(jnp.zeros((b, width - 1), jnp.int32), zeros, nxt)
+        return cache, zeros, chunk, zeros, no, dstate, hidden, logprobs_of(p, logits, chunk)
+
+    if getattr(prog.drafter, "always_proposes", False):
+        cache, n, chunk, offered, rejected, dstate, hidden, lps = spec(st, prop.state)
+    else:
+        cache, n, chunk, offered, rejected, dstate, hidden, lps = jax.lax.cond(
+            jnp.any(offered > 0), spec, plain, st, prop.state)
+    tokens, lengths, new, done, count = _commit(st, chunk, n + 1)
+    stats, emit_info, emit_round = _count(prog, st, n, offered, count, new, rejected)
+    logprobs = st.logprobs
+    if lps is not None:
+        logprobs = Logprobs(*(_write_rows(buf, v, st.lengths) for buf, v in
+                              zip((logprobs.token, logprobs.top_ids, logprobs.top_logprobs), lps)))
+    cache = dataclasses.replace(cache, lengths=lengths - 1)
+    return dataclasses.replace(
+        st, tokens=tokens, lengths=lengths, done=done, round=st.round + 1, target_cache=cache,
+        drafter_state=dstate, target_hidden=hidden, last_accepted=n, stats=stats,
+        emit_round=emit_round, emit_info=emit_info, logprobs=logprobs,
+    )
+
+
 def _run(prog: Program, tparams, dparams, st: DecodeState, round_limit) -> DecodeState:
-    """``lax.while_loop`` of rounds until every row is done or ``round`` reaches ``round_limit``."""
+    """``lax.while_loop`` of rounds until every row is done or ``round`` reaches ``round_limit``
+    (chain rounds :func:`_round`, or :func:`_tree_round` for a program with a tree)."""
+    round_fn = _round if prog.tree is None else _tree_round
     return jax.lax.while_loop(
         lambda s: jnp.any(~s.done) & (s.round < round_limit),
-        lambda s: _round(prog, tparams, dparams, s),
+        lambda s: round_fn(prog, tparams, dparams, s),
         st,
     )
 
 
 def _start_program(prog: Program) -> Program:
     """The program :func:`_start` is compiled for: γ only shapes the zero ``target_hidden``
-    and ``accept_hist`` (see :func:`_size_for_gamma`), so it is normalized to 1."""
-    return dataclasses.replace(prog, gamma=1) if prog.drafter is not None and prog.gamma != 1 else prog
+    and ``accept_hist`` (see :func:`_size_for_gamma`), so it is normalized to 1 (and a tree,
+    which the prefill does not use, to none)."""
+    if prog.drafter is None or (prog.gamma == 1 and prog.tree is None):
+        return prog
+    return dataclasses.replace(prog, gamma=1, tree=None)
 
 
 def _size_for_gamma(st: DecodeState, prog: Program) -> DecodeState:
