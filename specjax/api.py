@@ -13,6 +13,7 @@ import os
 import tomllib
 from typing import Any, Sequence
 
+from specjax.core.drafting import TreeShape
 from specjax.models.config import CheckpointError
 from specjax.runtime.decoder import Decoder
 from specjax.runtime.settings import DecodeSettings
@@ -54,6 +55,17 @@ def check_draft_spec(spec: str | None) -> None:
         raise ValueError(f"--draft {spec!r}: no such file or directory; use {DRAFT_CHOICES}")
     if spec.count("/") != 1:
         raise ValueError(f"unknown --draft value {spec!r}; use {DRAFT_CHOICES}")
+
+
+def draft_spec_proposes_trees(spec: str | None) -> bool:
+    """Whether the drafter of a ``--draft`` value proposes trees of any top-k (n-gram, the shipped
+    drafter, an EAGLE drafter directory with ``drafter.json``); a draft model proposes chains
+    only (trees of top-k 1). Reads no weights."""
+    if spec is None or spec == "none":
+        return False
+    if spec in ("default", "ngram") or spec.startswith("ngram:"):
+        return True
+    return os.path.isfile(os.path.join(os.path.expanduser(spec), "drafter.json"))
 
 
 def load_drafter(spec: str | None, target: Model, dtype: str = "float32"):
@@ -197,6 +209,9 @@ def generate_text(
     *,
     drafter=None,
     gamma: int = 4,
+    tree_nodes: int | None = None,
+    tree_depth: int | None = None,
+    tree_topk: int | None = None,
     max_new_tokens: int = 128,
     temperature: float = 0.0,
     top_k: int = 0,
@@ -222,6 +237,9 @@ def generate_text(
     speculative counters of :class:`specjax.runtime.decoder.GenerationResult`.
 
     Args:
+      tree_nodes, tree_depth, tree_topk: draft trees of N nodes, depth D and at most K children
+        per node instead of chains of ``gamma`` drafts (all three or none; see
+        :class:`specjax.runtime.decoder.Decoder`).
       max_new_tokens, temperature, top_k, top_p, seed, batch_size, ignore_eos: the decoding
         settings as keywords (see :class:`specjax.runtime.settings.DecodeSettings` for the
         ranges), or all together as ``settings``.
@@ -257,7 +275,8 @@ def generate_text(
     if any(not isinstance(s, str) or not s for s in stop):
         raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")
     ids = encode_prompts(target, prompts, chat, parse_special=parse_special)
-    dec = decoder or Decoder(target, drafter, gamma, progress=progress)
+    dec = decoder or Decoder(target, drafter, gamma, progress=progress, tree_nodes=tree_nodes, tree_depth=tree_depth,
+                             tree_topk=tree_topk)
     per_row_stops = stop_token_ids is not None and len(stop_token_ids) > 0 and all(
         isinstance(x, (list, tuple)) for x in stop_token_ids)
     results = []
@@ -324,12 +343,14 @@ def _row_result(tok, stop, r, j: int) -> dict:
 
 def load_pair_config(name_or_path: str) -> dict[str, Any]:
     """Read a target/drafter pair config (TOML): a path, or the name of a shipped config
-    (``configs/NAME.toml``). Keys: ``model``, ``draft``, ``gamma``, ``temperature``, ``top_k``,
+    (``configs/NAME.toml``). Keys: ``model``, ``draft``, ``gamma``, ``tree_nodes``, ``tree_depth``,
+    ``tree_topk`` (a draft tree instead of ``gamma``: all three together), ``temperature``, ``top_k``,
     ``top_p``, ``max_new_tokens``, ``dtype`` (a weight format or ``"auto"``), ``draft_dtype``, ``chat``,
     ``parse_special``, ``description``.
 
     Raises:
-      ValueError: file not found (lists the shipped configs), or unknown keys.
+      ValueError: file not found (lists the shipped configs), unknown keys, a value of the wrong
+        type, or an incomplete tree / a tree with ``gamma``.
     """
     from importlib import resources
 
@@ -351,7 +372,7 @@ def load_pair_config(name_or_path: str) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"{path}: not valid TOML ({e}); fix the syntax") from None
     allowed = {"model", "draft", "gamma", "temperature", "top_k", "top_p", "max_new_tokens", "dtype",
-               "draft_dtype", "chat", "parse_special", "description"}
+               "draft_dtype", "chat", "parse_special", "description", *TREE_KEYS}
     unknown = set(cfg) - allowed
     if unknown:
         raise ValueError(f"config {name_or_path!r}: unknown key(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
@@ -359,6 +380,18 @@ def load_pair_config(name_or_path: str) -> dict[str, Any]:
         check = _CONFIG_TYPES[key]
         if not check[0](value):
             raise ValueError(f"{path}: key {key!r} must be {check[1]}, got {type(value).__name__} {value!r}")
+    tree = [k for k in TREE_KEYS if k in cfg]
+    if tree:
+        missing = [k for k in TREE_KEYS if k not in cfg]
+        if missing:
+            raise ValueError(f"{path}: a draft tree needs {', '.join(TREE_KEYS)} together; missing {', '.join(missing)}")
+        if "gamma" in cfg:
+            raise ValueError(f"{path}: gamma and {', '.join(TREE_KEYS)} are alternatives (a tree's depth is its "
+                             "gamma); keep one")
+        try:
+            TreeShape(cfg["tree_nodes"], cfg["tree_depth"], cfg["tree_topk"])
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
     return cfg
 
 
@@ -379,6 +412,7 @@ def _gamma_ok(v) -> bool:
     return ok(v) or (isinstance(v, list) and bool(v) and all(_is_int(g) and g >= 1 for g in v))
 
 
+TREE_KEYS = ("tree_nodes", "tree_depth", "tree_topk")
 _DTYPES = ("float32", "bfloat16", "int8")
 _CONFIG_TYPES = {  # key: (check, expected type as the error says it)
     "model": (lambda v: isinstance(v, str), "a string (a .gguf path, model directory or hub id)"),
@@ -393,4 +427,5 @@ _CONFIG_TYPES = {  # key: (check, expected type as the error says it)
     "chat": (lambda v: isinstance(v, bool), "true or false"),
     "parse_special": (lambda v: isinstance(v, bool), "true or false"),
     "description": (lambda v: isinstance(v, str), "a string"),
+    **{k: (lambda v: _is_int(v) and v >= 1, "an integer >= 1") for k in TREE_KEYS},
 }

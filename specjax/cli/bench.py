@@ -63,7 +63,7 @@ def cmd_bench(args) -> int:
     args.dtype = None  # resolve() handles one format; bench loops over several
     chat_flag = args.chat
     args.chat = None
-    s = resolve(args, default_draft="ngram")
+    s = resolve(args, default_draft="ngram", tree_with_gamma=True)
     cfg = load_pair_config(args.config) if args.config else {}
     dtypes = list(dtypes_flag) if dtypes_flag else [cfg.get("dtype", "float32")]
     chat = chat_flag if chat_flag is not None else bool(cfg.get("chat", True))
@@ -75,7 +75,7 @@ def cmd_bench(args) -> int:
         drafts = [drafts]
     gammas_raw = s["gamma"]
     if gammas_raw is None:
-        gammas_raw = [4]
+        gammas_raw = [] if s["tree"] is not None else [4]  # a tree alone, unless --gamma asks for chains too
     elif not isinstance(gammas_raw, (list, tuple)):
         gammas_raw = [gammas_raw]
     gammas = []
@@ -97,7 +97,8 @@ def cmd_bench(args) -> int:
                               top_p=s["top_p"], seed=args.seed, batch_size=args.batch_size,
                               ignore_eos=args.ignore_eos)
     results = run_bench(
-        prompts, settings, model=s["model"], drafts=drafts, gammas=gammas, dtypes=dtypes, draft_dtype=draft_dtype,
+        prompts, settings, model=s["model"], drafts=drafts, gammas=gammas, trees=[s["tree"]] if s["tree"] else [],
+        dtypes=dtypes, draft_dtype=draft_dtype,
         chat=chat, warmup=args.warmup, mesh=args.mesh, progress=not args.no_progress,
     )
     results["config"]["prompts_file"] = os.path.abspath(args.prompts)

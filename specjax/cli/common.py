@@ -99,6 +99,13 @@ def add_model_args(p: argparse.ArgumentParser, multi_draft: bool = False, mesh: 
     else:
         p.add_argument("--draft", default=None, help="drafter: none, ngram[:N], default (trained, shipped), PATH_OR_ID")
         p.add_argument("--gamma", default=None, help="draft tokens per round γ (num_draft_tokens), or 'auto'")
+    p.add_argument("--tree-nodes", type=int, default=None, metavar="N",
+                   help="draft trees instead of chains (with --tree-depth and --tree-topk): N nodes per round, "
+                        "verified in one target call")
+    p.add_argument("--tree-depth", type=int, default=None, metavar="D",
+                   help="the deepest tree node: at most D drafts accepted per round (a tree's γ)")
+    p.add_argument("--tree-topk", type=int, default=None, metavar="K",
+                   help="at most K children per tree node (K = 1: the chain of γ = D drafts)")
     if auto_dtype:
         p.add_argument("--dtype", default=None, choices=[*DTYPES, "auto"],
                        help="target weight format; auto: the fastest decode step on this host (measured once, cached)")
@@ -123,11 +130,41 @@ def add_model_args(p: argparse.ArgumentParser, multi_draft: bool = False, mesh: 
         p.add_argument("--mesh", default=None, help="device mesh, e.g. data=2,model=4 (default: one device)")
 
 
-def resolve(args, default_draft=None, need_draft: str | None = None) -> dict:
+TREE_FLAGS = ("tree_nodes", "tree_depth", "tree_topk")
+
+
+def _tree_setting(args, cfg: dict):
+    """The draft tree of the flags (all three ``--tree-*`` together), else of the pair config
+    (unless ``--gamma`` is given: a flag wins over the config's tree), else ``None``.
+
+    Raises:
+      UsageError: some but not all ``--tree-*`` flags, or sizes out of range.
+    """
+    from specjax.core.drafting import TreeShape
+
+    flags = {k: getattr(args, k, None) for k in TREE_FLAGS}
+    if any(v is not None for v in flags.values()):
+        missing = ["--" + k.replace("_", "-") for k, v in flags.items() if v is None]
+        if missing:
+            raise UsageError(f"--tree-nodes, --tree-depth and --tree-topk go together; missing {', '.join(missing)}")
+        vals = flags
+    elif all(k in cfg for k in TREE_FLAGS) and getattr(args, "gamma", None) is None:
+        vals = {k: cfg[k] for k in TREE_FLAGS}
+    else:
+        return None
+    try:
+        return TreeShape(vals["tree_nodes"], vals["tree_depth"], vals["tree_topk"])
+    except ValueError as e:
+        raise UsageError(f"--tree-*: {e}") from None
+
+
+def resolve(args, default_draft=None, need_draft: str | None = None, tree_with_gamma: bool = False) -> dict:
     """Merge ``--config`` with explicit flags (flags win) into plain settings, and validate
-    every setting (sampling, ``--draft``, ``--gamma``, ``--seed``, ``--batch-size``, ``--mesh``)
-    before anything expensive runs. ``default_draft``: the drafter when none is given;
-    ``need_draft``: the error message when a drafter is required and none is given."""
+    every setting (sampling, ``--draft``, ``--gamma``, ``--tree-*``, ``--seed``, ``--batch-size``,
+    ``--mesh``) before anything expensive runs. ``default_draft``: the drafter when none is given;
+    ``need_draft``: the error message when a drafter is required and none is given;
+    ``tree_with_gamma``: ``--gamma`` may come with a tree (bench compares both), else they
+    are alternatives. ``s["tree"]``: a :class:`~specjax.core.drafting.TreeShape` or ``None``."""
     from specjax.api import load_pair_config
 
     cfg = load_pair_config(args.config) if args.config else {}
@@ -157,6 +194,8 @@ def resolve(args, default_draft=None, need_draft: str | None = None) -> dict:
         s["draft"] = default_draft
     if need_draft and s["draft"] in (None, "none", [], ["none"]):
         raise UsageError(need_draft)
+    s["tree"] = _tree_setting(args, cfg)
+    _check_tree(args, s, tree_with_gamma)
     try:
         _check_settings(args, s)
     except UsageError as e:  # a value read from the config file: name the file and key, not a flag
@@ -166,6 +205,29 @@ def resolve(args, default_draft=None, need_draft: str | None = None) -> dict:
             raise UsageError(f"config {args.config}: {key} {m.group(2)}") from None
         raise
     return s
+
+
+def _check_tree(args, s: dict, tree_with_gamma: bool) -> None:
+    """A tree needs a drafter that proposes trees (top-k > 1: not a draft model) and, unless
+    ``tree_with_gamma``, no ``--gamma``. Raises UsageError."""
+    from specjax.api import draft_spec_proposes_trees
+
+    tree = s["tree"]
+    if tree is None:
+        return
+    drafts = s["draft"] if isinstance(s["draft"], (list, tuple)) else [s["draft"]]
+    drafts = [d for d in drafts if d not in (None, "none")]
+    if not drafts:
+        raise UsageError("--tree-nodes/--tree-depth/--tree-topk need a drafter; add --draft default (or ngram, or "
+                         "an EAGLE drafter path)")
+    if getattr(args, "gamma", None) is not None and not tree_with_gamma:
+        raise UsageError("--gamma and --tree-* are alternatives (a tree's --tree-depth is its γ); drop one")
+    if tree.topk > 1:
+        for d in drafts:
+            if not draft_spec_proposes_trees(d):
+                raise UsageError(f"--draft {d} is a draft model, which proposes chains only; a tree with "
+                                 f"--tree-topk {tree.topk} needs --draft default, ngram or an EAGLE drafter "
+                                 "directory (or use --tree-topk 1)")
 
 
 def _finite(name: str, v) -> None:

@@ -62,17 +62,21 @@ def cmd_generate(args) -> int:
     drafting = s["draft"] not in (None, "none")
     draft = {"default": "its shipped drafter"}.get(s["draft"], f"drafter {s['draft']}")
     # --dtype auto: time the target's step as this run calls it (γ + 1 tokens when speculating with a set γ)
-    preloaded = resolve_auto_dtype(s, progress, tokens=gamma + 1 if drafting and gamma != "auto" else 1, mesh=mesh)
+    tree = s["tree"]
+    step_tokens = (tree.nodes + 1 if tree is not None else gamma + 1) if drafting and gamma != "auto" else 1
+    preloaded = resolve_auto_dtype(s, progress, tokens=step_tokens, mesh=mesh)
     what = (f"loading {draft}" if preloaded is not None else f"loading {model}" + (f" and {draft}" if drafting else ""))
     with phase(progress if preloaded is None or drafting else None, what + f" ({s['dtype']})"):
         target, drafter = load_target_and_drafter(s, mesh=mesh, target=preloaded)
     chat = s["chat"]
     if chat is None:
         chat = target.tokenizer is not None and bool(target.tokenizer.chat_template)
-    if gamma == "auto":  # resolve() already refused --gamma auto without a drafter
+    if gamma == "auto":  # resolve() already refused --gamma auto without a drafter (and with a tree)
         gamma = auto_gamma(target, drafter, prompts, s, args, chat, progress)
     stream = not args.json and not args.no_stream and args.batch_size == 1
-    method = f"speculative, drafter {drafter.name}, γ = {gamma}" if drafter is not None else "autoregressive"
+    method = "autoregressive"
+    if drafter is not None:
+        method = f"speculative, drafter {drafter.name}, " + (f"γ = {gamma}" if tree is None else tree.label)
     if progress is not None:
         progress.note(f"generating ({method}; {'chat template' if chat else 'raw text, no chat template'}"
                       f"{'' if s['chat'] is not None else ' (the default for this model; --chat/--no-chat to choose)'}"
@@ -103,6 +107,8 @@ def cmd_generate(args) -> int:
 
     generate_text(
         target, [p["prompt"] for p in prompts], drafter=drafter, gamma=gamma,
+        **({} if tree is None or drafter is None else
+           dict(tree_nodes=tree.nodes, tree_depth=tree.depth, tree_topk=tree.topk)),
         max_new_tokens=s["max_new_tokens"], temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"],
         seed=args.seed, chat=chat, batch_size=args.batch_size, ignore_eos=args.ignore_eos,
         stop=args.stop, logprobs=args.logprobs, on_text=on_text if stream else None, on_done=on_done,

@@ -4,8 +4,8 @@ on a prompts file (Spec-Bench ``question.jsonl`` works as is), per category and 
     specjax bench --prompts question.jsonl --limit 5 --draft ngram default --gamma 3 4 \\
         --max-new-tokens 128 --ignore-eos --out results.json
 
-What is measured, per method (``ar``, ``<drafter>@γ<g>``, suffixed ``/<dtype>`` when several
-weight formats are run) and per category:
+What is measured, per method (``ar``, ``<drafter>@γ<g>``, ``<drafter>@tree(N<n>,D<d>,K<k>)`` for a
+draft tree, suffixed ``/<dtype>`` when several weight formats are run) and per category:
 
 * ``tokens_per_s``: new tokens ÷ decode seconds (the jitted decode loop after prefill;
   compilation and the warm-up batch are excluded and reported as ``compile_s`` /
@@ -353,8 +353,9 @@ def summarize(specs: Sequence[MethodSpec], batch_records: dict[str, list[dict]],
     return out
 
 
-def method_name(label: str | None, gamma: int | None, dtype: str, multi_dtype: bool) -> str:
-    base = "ar" if label is None else f"{label}@γ{gamma}"
+def method_name(label: str | None, gamma: int | None, dtype: str, multi_dtype: bool, tree=None) -> str:
+    """``ar``, ``<label>@γ<g>`` or ``<label>@tree(N..,D..,K..)`` (+ ``/<dtype>`` when several formats run)."""
+    base = "ar" if label is None else f"{label}@{tree.label}" if tree is not None else f"{label}@γ{gamma}"
     return f"{base}/{dtype}" if multi_dtype else base
 
 
@@ -405,6 +406,7 @@ def run_bench(
     model: str | None = None,
     drafts: Sequence[str] = ("ngram",),
     gammas: Sequence[int] = (4,),
+    trees: Sequence = (),
     dtypes: Sequence[str] = ("float32",),
     draft_dtype: str | None = None,
     chat: bool = True,
@@ -421,6 +423,8 @@ def run_bench(
         mixing categories; ``None``: a category at once), ``ignore_eos`` (default
         ``DecodeSettings(batch_size=1)``). Prompt i uses request key ``fold_in(seed_key(seed), i)``.
       drafts / gammas / dtypes: the methods (every drafter × γ, per weight format).
+      trees: draft tree shapes (:class:`specjax.core.drafting.TreeShape`), each another method
+        per drafter (``<drafter>@tree(N..,D..,K..)``; ``gamma`` in its results is the depth D).
       warmup: untimed runs of the first batch per method.
     Raises:
       ValueError: two methods with one name; a drafter that cannot be loaded.
@@ -431,18 +435,20 @@ def run_bench(
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     drafts = [d for d in dict.fromkeys(drafts) if d not in (None, "none")]
     gammas = list(dict.fromkeys(int(g) for g in gammas))
+    trees = list(dict.fromkeys(trees))
     dtypes = list(dict.fromkeys(dtypes))
     started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     t_all = time.perf_counter()
     run = _Run(prompts, settings, make_batches(prompts, settings.batch_size or len(prompts)))
     # disable=None: tqdm shows the bar only when stderr is a terminal (no \r lines in logs)
-    bar = tqdm(total=len(run.batches) * len(dtypes) * (1 + len(drafts) * len(gammas)), desc="bench", unit="batch",
+    bar = tqdm(total=len(run.batches) * len(dtypes) * (1 + len(drafts) * (len(gammas) + len(trees))), desc="bench",
+               unit="batch",
                file=sys.stderr, disable=None if progress else True, dynamic_ncols=True)
     try:
         for dtype in dtypes:
             log(f"specjax bench: loading target ({dtype})")
-            run.bench_dtype(model, dtype, draft_dtype or dtype, drafts, gammas, len(dtypes) > 1, chat, warmup,
-                            mesh, bar)
+            run.bench_dtype(model, dtype, draft_dtype or dtype, drafts, gammas, trees, len(dtypes) > 1, chat,
+                            warmup, mesh, bar)
     finally:
         bar.close()
     for recs in run.records.values():
@@ -451,7 +457,8 @@ def run_bench(
                 r.pop("tokens", None)
     base = baselines(run.specs, len(dtypes) > 1)
     config = _bench_config(prompts, settings, run, base, started=started, total_s=time.perf_counter() - t_all,
-                           model=model, drafts=drafts, gammas=gammas, dtypes=dtypes, draft_dtype=draft_dtype,
+                           model=model, drafts=drafts, gammas=gammas, trees=trees, dtypes=dtypes,
+                           draft_dtype=draft_dtype,
                            chat=chat, warmup=warmup)
     return {"config": config, "methods": summarize(run.specs, run.records, base), "prompts": run.prompt_records}
 
@@ -471,7 +478,7 @@ class _Run:
         self.weight_bytes: dict[str, dict] = {}
         self.model_name = None
 
-    def bench_dtype(self, model, dtype, ddtype, drafts, gammas, multi, chat, warmup, mesh, bar) -> None:
+    def bench_dtype(self, model, dtype, ddtype, drafts, gammas, trees, multi, chat, warmup, mesh, bar) -> None:
         """Load the target in ``dtype``, then warm up and time every method on every batch."""
         from specjax.api import encode_prompts
         from specjax.io.loading import load_model
@@ -479,7 +486,7 @@ class _Run:
         target = load_model(model, dtype=dtype)
         self.model_name = target.name
         ids = encode_prompts(target, [p["prompt"] for p in self.prompts], chat)
-        methods = self._methods(target, dtype, ddtype, drafts, gammas, multi, mesh)
+        methods = self._methods(target, dtype, ddtype, drafts, gammas, trees, multi, mesh)
         for s, dec, _ in methods:  # warm-up: compile + first runs on the first batch, untimed
             for _ in range(max(0, warmup)):
                 bar.set_postfix_str(f"warm-up {s.name}")
@@ -489,8 +496,8 @@ class _Run:
         for bi in range(len(self.batches)):  # timed: methods interleaved per batch
             self._timed_batch(methods, ids, bi, bar)
 
-    def _methods(self, target, dtype, ddtype, drafts, gammas, multi, mesh) -> list[tuple[MethodSpec, Any, int]]:
-        """``(spec, decoder, drafter forward steps per round)`` of ``ar`` and every drafter × γ."""
+    def _methods(self, target, dtype, ddtype, drafts, gammas, trees, multi, mesh) -> list[tuple[MethodSpec, Any, int]]:
+        """``(spec, decoder, drafter forward steps per round)`` of ``ar`` and every drafter × (γ and tree)."""
         from specjax.models import llama
         from specjax.runtime.decoder import Decoder
 
@@ -508,6 +515,12 @@ class _Run:
                 s = MethodSpec(method_name(label, g, dtype, multi), label, g, dtype, tbytes, dbytes,
                                extra={"draft_spec": dspec, "draft_dtype": ddtype})
                 methods.append((s, Decoder(target, drafter, g, mesh=mesh), g if dbytes else 0))
+            for t in trees:  # a drafter call per level: D per round (EAGLE: the re-encode, then D − 1 levels)
+                s = MethodSpec(method_name(label, t.depth, dtype, multi, tree=t), label, t.depth, dtype, tbytes,
+                               dbytes, extra={"draft_spec": dspec, "draft_dtype": ddtype,
+                                              "tree": {"nodes": t.nodes, "depth": t.depth, "topk": t.topk}})
+                dec = Decoder(target, drafter, mesh=mesh, tree_nodes=t.nodes, tree_depth=t.depth, tree_topk=t.topk)
+                methods.append((s, dec, t.depth if dbytes else 0))
         for s, _, _ in methods:
             if s.name in self.records:
                 raise ValueError(f"two methods are both named {s.name!r}; give distinct --draft values")
@@ -566,6 +579,7 @@ def _bench_config(prompts, settings: DecodeSettings, run: _Run, base: dict, **kw
         "model_name": run.model_name,
         "drafts": list(kw["drafts"]),
         "gammas": kw["gammas"],
+        "trees": [{"nodes": t.nodes, "depth": t.depth, "topk": t.topk, "label": t.label} for t in kw["trees"]],
         "dtypes": dtypes,
         "dtype": dtypes[0] if len(dtypes) == 1 else dtypes,
         "draft_dtype": kw["draft_dtype"],
