@@ -535,3 +535,55 @@ def test_ngram_trie_matches_reference_and_chain(shape):
         assert np.array_equal(valid.sum(1), nv)
         for b in range(rows):
             assert tok[b, :nv[b]].tolist() == np.asarray(prop.tokens)[b, :nv[b]].tolist()
+
+
+# --------------------------------------------------------------------------- the real model
+REAL_TEXTS = ["Hi! How are you today?", "What is 2+2?", "Write a haiku about the sea.",
+              "Explain photosynthesis in one paragraph for a child."]
+REAL_NEW = 32
+REAL_TREES = [(8, 4, 2), (16, 5, 3)]
+REAL_GAMMAS = [1, 4]
+
+
+@pytest.mark.tree_gate
+@pytest.mark.parametrize("fmt", ["float32", "int8"])
+def test_real_model_greedy_tree_equals_autoregressive(fmt):
+    """The default model (SmolLM2-135M-Instruct) in float32 and int8 with the shipped drafter
+    (``--draft default``) and n-gram lookup: greedy tree speculation == greedy autoregressive on
+    4 chat prompts × 32 tokens, batch 4 and batch 1 (float32: up to a detected near-tie; int8:
+    exactly); prints τ (new tokens ÷ target calls, pooled over the prompts) for each tree shape
+    and the chains γ 1 and 4 (not an assertion: a measurement)."""
+    from specjax.api import encode_prompts, load_drafter
+    from specjax.io.loading import load_model
+
+    model = load_model(dtype=fmt)
+    prompts = encode_prompts(model, REAL_TEXTS, chat=True)
+    ar = make_decoder(model).generate(prompts, max_new_tokens=REAL_NEW, eos_ids=[]).tokens
+    taus, exact = {}, True
+
+    def tau(res):
+        return sum(s["new_tokens"] for s in res.stats) / sum(s["target_calls"] for s in res.stats)
+
+    for spec in ("default", "ngram"):
+        drafter = load_drafter(spec, model, dtype=fmt)
+        for g in REAL_GAMMAS:
+            res = make_decoder(model, drafter, g).generate(prompts, max_new_tokens=REAL_NEW, eos_ids=[])
+            taus[f"{spec} γ{g}"] = tau(res)
+            for j, p in enumerate(prompts):
+                exact &= check_greedy(model, p, ar[j], res.tokens[j], REAL_NEW, [], f"{fmt} {spec} γ{g} row {j}")
+        for shape in REAL_TREES:
+            dec = make_decoder(model, drafter, tree=shape)
+            res = dec.generate(prompts, max_new_tokens=REAL_NEW, eos_ids=[])
+            check_tree_stats(res, shape, f"{fmt} {spec} {shape}")
+            taus[f"{spec} tree N{shape[0]}/D{shape[1]}/K{shape[2]}"] = tau(res)
+            for j, p in enumerate(prompts):
+                exact &= check_greedy(model, p, ar[j], res.tokens[j], REAL_NEW, [], f"{fmt} {spec} {shape} row {j}")
+            for j in range(3):  # batch 1
+                one = dec.generate([prompts[j]], max_new_tokens=REAL_NEW, eos_ids=[])
+                exact &= check_greedy(model, prompts[j], ar[j], one.tokens[0], REAL_NEW, [],
+                                      f"{fmt} {spec} {shape} alone, prompt {j}")
+                assert one.stats[0] == res.stats[j] or fmt == "float32", "int8: a row alone == in the batch"
+    print(f"\n{fmt}: τ (new tokens / target call) over {len(prompts)} chat prompts × {REAL_NEW} greedy tokens")
+    for k, v in taus.items():
+        print(f"  {k:28s} {v:.3f}")
+    assert exact or fmt == "float32"
