@@ -130,6 +130,11 @@ def run_tiny():
             "spec-greedy": (sp.generate(prompts, **kw), ref_g.tokens, True),
             "spec-sampled": (sp.generate(prompts, sampling=sampled, **kw), ref_sp_s.tokens, False),
         }
+        if shape == (2, 4):  # draft trees (issue 18): n-gram trie, tree call + compaction on the mesh
+            from specjax.drafters.ngram import NgramDrafter
+
+            tree = decode.Decoder(target, NgramDrafter(1), mesh=mesh, tree_nodes=6, tree_depth=3, tree_topk=2)
+            results["tree-greedy"] = (tree.generate(prompts, **kw), ref_g.tokens, True)
         if shape[0] == 8:  # 5 rows padded to 8 reuse the compiled batch-8 programs
             s5 = SamplingParams.create(5, temperature=1.0)
             results["ar-greedy-b5"] = (ar.generate(prompts[:5], **kw), ref_g.tokens[:5], True)
