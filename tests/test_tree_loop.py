@@ -169,17 +169,17 @@ class OracleTreeDrafter:
         return TreeProposal(tree, "iid" if self.lie else "deterministic", state)
 
 
-def copy_eagle(target, fmt="float32"):
+def copy_eagle(target, fmt="float32", min_confidence=0.0):
     """An untrained EAGLE drafter (sub-vocabulary of the even ids) with a strong copy term: it
     proposes the prompt-lookup candidate where there is one (so drafts are accepted on the
-    repeat prompt), its own random guesses elsewhere."""
+    repeat prompt), its own random guesses elsewhere (``min_confidence`` > 0: not below it)."""
     cfg = eagle.EagleConfig.for_target(target.config, V // 2, 32, copy_ngram=3)
     tp = eagle.init_params(cfg, 7)
     tp["copy_b"] = jnp.asarray([6.0, 8.0, 10.0], jnp.float32)
     params = {"train": tp, "frozen": eagle.frozen_params(target, np.arange(0, V, 2, dtype=np.int32))}
     if fmt == "int8":
         params = eagle.quantize_params(params)
-    return eagle.EagleDrafter(cfg, params, name=f"eagle-copy-{fmt}")
+    return eagle.EagleDrafter(cfg, params, name=f"eagle-copy-{fmt}", min_confidence=min_confidence)
 
 
 def _refs(tiny, fmt, rows):
@@ -283,13 +283,14 @@ def test_cache_and_logprobs_after_tree_rounds_are_autoregressive(tiny, fmt):
 
 
 @pytest.mark.parametrize("kind,fmt,shape", [("ngram", "float32", (8, 4, 2)), ("eagle", "float32", (16, 5, 3)),
-                                            ("eagle", "int8", (8, 4, 2))])
+                                            ("eagle", "int8", (8, 4, 2)), ("eagle-conf", "float32", (8, 4, 2))])
 def test_tree_drafters_greedy_equal_autoregressive(tiny, kind, fmt, shape):
     """The n-gram trie and the EAGLE-2 dynamic tree (copy term; the drafter in the target's
     format) on the tiny target: greedy == autoregressive, batch 5 and batch 1; trees with
     several valid nodes per round are offered and drafts are accepted."""
     target, ref = tiny[fmt]["target"], tiny[fmt]["ref"]
-    drafter = NgramDrafter(3) if kind == "ngram" else copy_eagle(target, fmt)
+    drafter = {"ngram": lambda: NgramDrafter(3), "eagle": lambda: copy_eagle(target, fmt),
+               "eagle-conf": lambda: copy_eagle(target, fmt, min_confidence=0.3)}[kind]()
     dec = make_decoder(target, drafter, tree=shape)
     pool = tiny["pool"]
     accepted = drafted = calls = 0
@@ -308,16 +309,18 @@ def test_tree_drafters_greedy_equal_autoregressive(tiny, kind, fmt, shape):
 
 
 # --------------------------------------------------------------------------- K = 1 is the chain
-@pytest.mark.parametrize("kind", ["ngram", "eagle-float32", "eagle-int8", "model"])
+@pytest.mark.parametrize("kind", ["ngram", "eagle-float32", "eagle-int8", "eagle-conf", "model"])
 def test_topk_one_is_the_chain(tiny, kind):
     """A tree of K = 1 (N = D = γ) gives the chain's tokens and counters exactly: greedy for
     every drafter, and sampled (temperature 1, top-k 3) for the n-gram drafter and a draft model
     (the chain fallback, verified with "iid": the same keys, uniforms and kernels). The EAGLE
-    tree at temperature > 0 takes its top-1 child where the chain samples q, so only greedy."""
+    tree at temperature > 0 takes its top-1 child where the chain samples q, so only greedy; with
+    ``min_confidence`` its tree keeps the chain's leading-confidence drafts (and plain steps)."""
     fmt = "int8" if kind == "eagle-int8" else "float32"
     target = tiny[fmt]["target"]
     drafter = {"ngram": lambda: NgramDrafter(3),
                "eagle-float32": lambda: copy_eagle(target), "eagle-int8": lambda: copy_eagle(target, "int8"),
+               "eagle-conf": lambda: copy_eagle(target, min_confidence=0.3),
                "model": lambda: ModelDrafter.from_model(truncate_model(target, 1), name="trunc1")}[kind]()
     pool = tiny["pool"]
     gamma = 4
@@ -332,6 +335,8 @@ def test_topk_one_is_the_chain(tiny, kind):
         assert b.tokens == a.tokens, f"{kind} T={temperature}"
         assert b.stats == a.stats, f"{kind} T={temperature}: {b.stats} != {a.stats}"
         assert sum(s["accepted_tokens"] for s in a.stats) > 0
+        if kind == "eagle-conf":  # the cut-off really cut: fewer drafts than γ per round
+            assert sum(s["drafted_tokens"] for s in a.stats) < gamma * sum(s["target_calls"] for s in a.stats)
 
 
 # --------------------------------------------------------------------------- sampled rows: exactness
