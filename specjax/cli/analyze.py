@@ -59,7 +59,7 @@ def register_cli(subparsers) -> None:
     p.add_argument("--limit", type=int, default=None, help="at most N prompts per category (file order)")
     p.add_argument("--repeats", type=int, default=1, help="timed decode runs per batch for the measured speedup (median)")
     p.add_argument("--timing-repeats", type=int, default=7, help="timed calls per kind for c and v (median)")
-    add_model_args(p, mesh=False)  # measures on one device
+    add_model_args(p, mesh=False, trees=False)  # measures on one device; chains only (no tree cost model yet)
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.add_argument("--plot", metavar="PNG", default=None, help="write predicted speedup vs γ (with measured points)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr (shown only on a terminal)")
@@ -254,6 +254,10 @@ def run_models(args) -> dict:
 
     s = resolve(args, need_draft="analyze with models needs one drafter: --draft ngram[:N] | PATH_OR_ID "
                                   "(or give numbers only: --alpha A --c C)")
+    if s["tree"] is not None:
+        from specjax.cli.common import note
+
+        note(f"analyze measures chains; the config's draft tree ({s['tree'].label}) is not analyzed")
     gmax = MODEL_GAMMA_MAX if args.gamma_max is None else args.gamma_max
     if gmax < 1:
         raise _usage(f"--gamma-max must be >= 1, got {gmax}")

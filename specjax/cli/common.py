@@ -89,8 +89,9 @@ DTYPES = ("float32", "bfloat16", "int8")
 
 
 def add_model_args(p: argparse.ArgumentParser, multi_draft: bool = False, mesh: bool = True,
-                   auto_dtype: bool = False) -> None:
-    """Flags shared by generate / bench / analyze (``auto_dtype``: ``--dtype`` also takes ``auto``)."""
+                   auto_dtype: bool = False, trees: bool = True) -> None:
+    """Flags shared by generate / bench / analyze (``auto_dtype``: ``--dtype`` also takes ``auto``;
+    ``trees``: the ``--tree-*`` flags)."""
     p.add_argument("--config", help="pair config: a TOML path or the name of a shipped config in configs/")
     p.add_argument("--model", default=None, help="target: .gguf file, HF model dir or hub id (default: embedded SmolLM2-135M-Instruct)")
     if multi_draft:
@@ -99,13 +100,14 @@ def add_model_args(p: argparse.ArgumentParser, multi_draft: bool = False, mesh: 
     else:
         p.add_argument("--draft", default=None, help="drafter: none, ngram[:N], default (trained, shipped), PATH_OR_ID")
         p.add_argument("--gamma", default=None, help="draft tokens per round γ (num_draft_tokens), or 'auto'")
-    p.add_argument("--tree-nodes", type=int, default=None, metavar="N",
-                   help="draft trees instead of chains (with --tree-depth and --tree-topk): N nodes per round, "
-                        "verified in one target call")
-    p.add_argument("--tree-depth", type=int, default=None, metavar="D",
-                   help="the deepest tree node: at most D drafts accepted per round (a tree's γ)")
-    p.add_argument("--tree-topk", type=int, default=None, metavar="K",
-                   help="at most K children per tree node (K = 1: the chain of γ = D drafts)")
+    if trees:
+        p.add_argument("--tree-nodes", type=int, default=None, metavar="N",
+                       help="draft trees instead of chains (with --tree-depth and --tree-topk): N nodes per round, "
+                            "verified in one target call")
+        p.add_argument("--tree-depth", type=int, default=None, metavar="D",
+                       help="the deepest tree node: at most D drafts accepted per round (a tree's γ)")
+        p.add_argument("--tree-topk", type=int, default=None, metavar="K",
+                       help="at most K children per tree node (K = 1: the chain of γ = D drafts)")
     if auto_dtype:
         p.add_argument("--dtype", default=None, choices=[*DTYPES, "auto"],
                        help="target weight format; auto: the fastest decode step on this host (measured once, cached)")
