@@ -331,7 +331,7 @@ class Decoder:
         compiled = self._key("start", sprog, args) in self._compiled
         what = "prefill + decode loop"
         if prog.tree is not None:
-            what += f" (tree {prog.tree.label})"
+            what += f" ({prog.tree.label})"
         elif prog.drafter is not None:
             what += f" (γ = {prog.gamma})"
         with phase(None if compiled else self.progress,
