@@ -592,3 +592,24 @@ def test_real_model_greedy_tree_equals_autoregressive(fmt):
     for k, v in taus.items():
         print(f"  {k:28s} {v:.3f}")
     assert exact or fmt == "float32"
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "int8"])
+def test_no_slow_path_in_compiled_tree_decode(fmt):
+    """The compiled tree decode program at batch 1: every bf16/int8 dot has >= 2 rows and no
+    weight is converted to float32 (tests/test_formats.py's check on the chain programs). int8:
+    with the EAGLE drafter in int8 too (its forest calls and head run on few rows); bfloat16: the
+    n-gram drafter (an EAGLE drafter loaded in bfloat16 computes in float32, and the tiny
+    drafter's float32 weights have the target's shapes)."""
+    from test_formats import _no_slow_path, convert
+
+    target = convert(tiny_model(seed=0, tie_word_embeddings=True), fmt)
+    drafter = copy_eagle(target, "int8") if fmt == "int8" else NgramDrafter(3)
+    weight_shapes = {tuple(x.shape) for x in jax.tree_util.tree_leaves(target.params) if x.ndim == 2}
+    weight_shapes |= {s[::-1] for s in weight_shapes}
+    d = Decoder(target, drafter, tree_nodes=8, tree_depth=4, tree_topk=2)
+    prog, args = d.prepare([[3, 4, 5]], max_new_tokens=8)
+    sprog = D._start_program(prog)
+    st = D._size_for_gamma(D._start_jit(sprog, *args), prog)
+    compiled = D._run_jit.lower(prog, args[0], args[1], st, jnp.int32(4)).compile()
+    _no_slow_path(compiled.as_text(), fmt, weight_shapes)
