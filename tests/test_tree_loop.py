@@ -16,7 +16,8 @@ tree_depth=D, tree_topk=K)`` and :func:`specjax.runtime.loop._tree_round`.
    for the n-gram, EAGLE and oracle trees; a negative control (deterministic children verified
    as if drawn from a uniform q) must fail.
 4. The target's KV cache after tree rounds is the autoregressive (causal) cache; log-probabilities
-   equal autoregressive ones; the on-device counters equal :func:`row_stats` (one definition).
+   equal autoregressive ones; the on-device counters equal :func:`row_stats` (one definition);
+   the n-gram trie equals a Python reference; no one-row bf16/int8 dot in a tree program.
 5. Errors (Decoder, pair configs, command line: one line, before the model loads) and the
    ``generate`` / ``bench`` commands with a tree.
 6. (marker ``tree_gate``, not in the suite) the real model with the shipped drafter and n-gram.
