@@ -43,11 +43,12 @@ class Stats:
       runs each round, also when it proposes nothing and the round is a plain step); 0 for
       plain autoregressive decoding.
     drafted_tokens: draft tokens offered for checking (after the per-row cap near
-      ``max_new_tokens``; 0 for a row with no n-gram match).
+      ``max_new_tokens``; 0 for a row with no n-gram match; a tree: its valid nodes).
     accepted_tokens: draft tokens accepted by the rejection test.
-    checked_tokens: draft tokens the test examined: accepted ones plus the first rejected one.
+    checked_tokens: draft tokens the test examined: accepted ones plus the first rejected one
+      (a tree: the accepted path, plus 1 when the round ended on a rejection).
     new_tokens: tokens committed after the prompt (EOS included, nothing after it).
-    accept_hist: ``[B, γ+1]`` rounds by number of accepted draft tokens.
+    accept_hist: ``[B, γ+1]`` rounds by number of accepted draft tokens (a tree: ``[B, D+1]``).
     """
 
     target_calls: jax.Array
@@ -423,7 +424,7 @@ def _tree_round(prog: Program, tparams, dparams, st: DecodeState) -> DecodeState
     prop = _propose_tree(prog.drafter, dparams, st.drafter_state, ctx, rkeys[:, :nodes], shape, vocab)
     allowed = jnp.where(active, jnp.clip(remaining - 1, 0, depth), 0).astype(jnp.int32)
     tree = tree_ops.limit_depth(prop.tree, allowed)
-    live = tree_ops._live(tree)
+    live = tree.valid & (tree.depth >= 1) & (tree.depth <= depth)  # the nodes the walk may accept
     offered = jnp.sum(live, axis=1, dtype=jnp.int32)
     u = jax.vmap(lambda k: jax.random.uniform(k, (nodes,), jnp.float32))(rkeys[:, nodes])
 
