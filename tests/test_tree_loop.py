@@ -436,6 +436,26 @@ def test_cli_tree_errors_before_loading(argv, msg, capsys, monkeypatch):
     assert rc == 2 and err.startswith("specjax: error:") and msg in err and err.count("\n") == 1, err
 
 
+def test_bench_tree_without_draft_and_config_tree_without_draft_fail_fast(tmp_path, capsys, monkeypatch):
+    """bench's default drafter (n-gram) does not silently stand in for a tree's drafter; a pair
+    config with tree keys and no draft names the file and its key. One line, before any load."""
+    from specjax import cli
+    from specjax.io import loading
+
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"question_id": 1, "category": "x", "turns": ["hi"]}\n')
+    tree = ["--tree-nodes", "8", "--tree-depth", "4", "--tree-topk", "2"]
+    assert cli.main(["bench", "--prompts", str(prompts), *tree]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("specjax: error:") and "need a drafter" in err and err.count("\n") == 1, err
+    conf = tmp_path / "pair.toml"
+    conf.write_text("tree_nodes = 8\ntree_depth = 4\ntree_topk = 2\n")
+    assert cli.main(["generate", "hello", "--config", str(conf)]) == 2
+    err = capsys.readouterr().err
+    assert str(conf) in err and 'draft = "default"' in err and err.count("\n") == 1, err
+
+
 # --------------------------------------------------------------------------- the commands
 def test_generate_and_bench_commands_with_a_tree(tiny_dir, tmp_path, capsys, monkeypatch):
     """``specjax generate --tree-*`` and ``specjax bench`` with a chain γ and a tree: the tree's

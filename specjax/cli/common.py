@@ -192,11 +192,17 @@ def resolve(args, default_draft=None, need_draft: str | None = None, tree_with_g
     }
     if s["draft_dtype"] is None:
         s["draft_dtype"] = s["dtype"]
+    draft_given = s["draft"] is not None
     if s["draft"] is None:
         s["draft"] = default_draft
     if need_draft and s["draft"] in (None, "none", [], ["none"]):
         raise UsageError(need_draft)
     s["tree"] = _tree_setting(args, cfg)
+    if s["tree"] is not None and not draft_given:  # not bench's default n-gram, silently
+        where = f"config {args.config}: tree keys need a drafter; add draft = \"default\" (or \"ngram\")" \
+            if args.config and any(k in cfg for k in ("tree_nodes", "tree_depth", "tree_topk")) else \
+            "--tree-nodes/--tree-depth/--tree-topk need a drafter; add --draft default (or ngram, or an EAGLE drafter path)"
+        raise UsageError(where)
     _check_tree(args, s, tree_with_gamma)
     try:
         _check_settings(args, s)

@@ -93,11 +93,13 @@ class TreeShape:
             except TypeError:
                 iv = None
             if iv is None or isinstance(v, bool) or iv < 1:
-                raise ValueError(f"tree {name} must be an integer >= 1, got {v!r}")
+                raise ValueError(f"tree {name} must be an integer >= 1, got {v!r} (e.g. --tree-nodes 8 "
+                                 "--tree-depth 4 --tree-topk 2)")
             object.__setattr__(self, name, int(iv))
         n, d, k = self.nodes, self.depth, self.topk
         if d > n:
-            raise ValueError(f"tree depth ({d}) must be <= tree nodes ({n}): a path of depth D holds D nodes")
+            raise ValueError(f"tree depth ({d}) must be <= tree nodes ({n}): a path of depth D holds D nodes; "
+                             f"raise --tree-nodes to at least {d} or lower --tree-depth")
         if n > self.max_nodes(d, k):
             raise ValueError(f"tree nodes ({n}) must be <= K + (D-1)·K² = {self.max_nodes(d, k)} for depth {d} and "
                              f"topk {k} (the candidates of a dynamic tree); lower --tree-nodes or raise "
