@@ -323,8 +323,16 @@ def _round(prog: Program, tparams, dparams, st: DecodeState) -> DecodeState:
             cache, n, chunk, allowed, dstate, hidden, lps = jax.lax.cond(
                 jnp.any(allowed > 0), spec, no_match, st, prop.state
             )
+    return _finish_round(prog, st, cache, n, chunk, allowed, None, dstate, hidden, lps)
+
+
+def _finish_round(prog: Program, st: DecodeState, cache, n, chunk, allowed, rejected, dstate, hidden, lps):
+    """The end of every round (chain or tree): commit ``chunk [B, W]`` (``n + 1`` tokens per row,
+    cut after an EOS), count (:func:`_count`; ``rejected`` ``None`` for a chain), write the
+    emitted tokens' log-probabilities ``lps`` (or ``None``), set the cache's committed length and
+    return the next state."""
     tokens, lengths, new, done, count = _commit(st, chunk, n + 1)
-    stats, emit_info, emit_round = _count(prog, st, n, allowed, count, new)
+    stats, emit_info, emit_round = _count(prog, st, n, allowed, count, new, rejected)
     logprobs = st.logprobs
     if lps is not None:
         logprobs = Logprobs(*(_write_rows(buf, v, st.lengths) for buf, v in
@@ -470,18 +478,7 @@ def _tree_round(prog: Program, tparams, dparams, st: DecodeState) -> DecodeState
     else:
         cache, n, chunk, offered, rejected, dstate, hidden, lps = jax.lax.cond(
             jnp.any(offered > 0), spec, plain, st, prop.state)
-    tokens, lengths, new, done, count = _commit(st, chunk, n + 1)
-    stats, emit_info, emit_round = _count(prog, st, n, offered, count, new, rejected)
-    logprobs = st.logprobs
-    if lps is not None:
-        logprobs = Logprobs(*(_write_rows(buf, v, st.lengths) for buf, v in
-                              zip((logprobs.token, logprobs.top_ids, logprobs.top_logprobs), lps)))
-    cache = dataclasses.replace(cache, lengths=lengths - 1)
-    return dataclasses.replace(
-        st, tokens=tokens, lengths=lengths, done=done, round=st.round + 1, target_cache=cache,
-        drafter_state=dstate, target_hidden=hidden, last_accepted=n, stats=stats,
-        emit_round=emit_round, emit_info=emit_info, logprobs=logprobs,
-    )
+    return _finish_round(prog, st, cache, n, chunk, offered, rejected, dstate, hidden, lps)
 
 
 def _run(prog: Program, tparams, dparams, st: DecodeState, round_limit) -> DecodeState:
