@@ -20,7 +20,9 @@ tree_depth=D, tree_topk=K)`` and :func:`specjax.runtime.loop._tree_round`.
    the n-gram trie equals a Python reference; no one-row bf16/int8 dot in a tree program.
 5. Errors (Decoder, pair configs, command line: one line, before the model loads) and the
    ``generate`` / ``bench`` commands with a tree.
-6. (marker ``tree_gate``, not in the suite) the real model with the shipped drafter and n-gram.
+6. (marker ``tree_gate``, not in the suite) the real model with the shipped drafter and n-gram:
+   greedy == autoregressive; sampled rows (shipped drafter) pass a chi-square that a negative
+   control fails with p < 1e-6.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from test_decode import (  # helpers and the small-vocabulary fixture (no test f
 from test_bench import tiny_dir  # noqa: F401  (a fixture: a tiny saved model with a tokenizer)
 from specjax.core import tree as T
 from specjax.core.drafting import TreeProposal, TreeShape
-from specjax.core.sampling import SamplingParams
+from specjax.core.sampling import SamplingParams, process_logits
 from specjax.drafters import eagle
 from specjax.drafters.model import ModelDrafter
 from specjax.drafters.ngram import NgramDrafter
@@ -613,6 +615,116 @@ def test_real_model_greedy_tree_equals_autoregressive(fmt):
     for k, v in taus.items():
         print(f"  {k:28s} {v:.3f}")
     assert exact or fmt == "float32"
+
+
+REAL_CHI_TEXT = "Name one fruit."  # chat; top-4 first tokens ≈ 0.37 / 0.36 / 0.13 / 0.13 at T = 1
+REAL_CHI_ROWS = 2000
+REAL_CHI_CONTROL_ROWS = 1000
+REAL_CHI_TREE = (8, 3, 3)
+
+
+def _real_first3_distribution(model, ids, temperature, top_k):
+    """{(x1, x2, x3): P} of autoregressive sampling from ``model`` after ``ids``, enumerated over
+    the top-k support with teacher-forced calls (1 + k + k² sequences)."""
+    from specjax.eval.formats import teacher_forced_logits
+
+    def probs(seq):
+        lg = teacher_forced_logits(model, seq)[len(ids) - 1:]
+        return np.asarray(process_logits(jnp.asarray(lg), temperature, top_k, 1.0), np.float64)
+
+    exact = {}
+    p1 = probs(ids)[0]
+    for a in np.flatnonzero(p1):
+        p2 = probs(ids + [int(a)])[1]
+        for b in np.flatnonzero(p2):
+            p3 = probs(ids + [int(a), int(b)])[2]
+            for c in np.flatnonzero(p3):
+                exact[(int(a), int(b), int(c))] = p1[a] * p2[b] * p3[c]
+    return exact
+
+
+def _chi_square_cells(samples, exact):
+    """(p-value, samples outside the support) of first-3-token tuples against ``exact``; cells with
+    an expectation below 5 are pooled."""
+    from collections import Counter
+
+    from scipy import stats as sps
+
+    counts = Counter(samples)
+    keys = sorted(exact)
+    obs = np.array([counts.get(k, 0) for k in keys], np.float64)
+    exp = np.array([exact[k] for k in keys])
+    exp = exp / exp.sum() * len(samples)
+    keep = exp >= 5
+    o, e = list(obs[keep]), list(exp[keep])
+    if exp[~keep].sum() > 0:
+        o.append(obs[~keep].sum())
+        e.append(exp[~keep].sum())
+    impossible = sum(v for k, v in counts.items() if k not in exact)
+    return float(sps.chisquare(o, e).pvalue), impossible, len(e)
+
+
+def _no_sibling_renormalization(step):
+    """NEGATIVE CONTROL of :func:`specjax.core.tree.child_step`: a rejected child leaves p as it was
+    (the next sibling is accepted by p/q as if no sibling had been rejected, and the final draw may
+    repeat a rejected token) — the mistake the residual update exists to prevent."""
+    def broken(p, q, token, scheme):
+        return step(p, q, token, scheme)._replace(p_rejected=jnp.asarray(p, jnp.float32))
+    return broken
+
+
+@pytest.mark.tree_gate
+def test_real_model_sampled_tree_distribution_is_the_targets(monkeypatch):
+    """The default model (int8) with the shipped drafter's EAGLE-2 dynamic tree (N 8, D 3, K 3),
+    temperature 1, top-k 4, on the chat prompt "Name one fruit.": the first 3 tokens of 2000 rows
+    against the autoregressive distribution enumerated over the top-4 support (64 sequences) —
+    chi-square p > 1e-3 (fixed keys, so deterministic; a correct implementation fails with
+    probability 1e-3 over key choices), no sequence outside the support. Negative control: the same
+    run with siblings accepted by p/q without the residual update for the siblings already rejected
+    (:func:`_no_sibling_renormalization`, patched into the compiled program) must fail with
+    p < 1e-6."""
+    from specjax.api import encode_prompts, load_drafter
+    from specjax.io.loading import load_model
+
+    temperature, top_k = 1.0, 4
+    model = load_model(dtype="int8")
+    ids = encode_prompts(model, [REAL_CHI_TEXT], chat=True)[0]
+    exact = _real_first3_distribution(model, ids, temperature, top_k)
+    assert abs(sum(exact.values()) - 1) < 1e-5 and len(exact) > 16
+    drafter = load_drafter("default", model, dtype="int8")
+
+    def sample(rows, seed0):
+        dec = make_decoder(model, drafter, tree=REAL_CHI_TREE)
+        dec._compiled = {}  # the control's program must be compiled from the patched kernel
+        out, acc, rej = [], 0, 0
+        for s in range(0, rows, 250):
+            n = min(250, rows - s)
+            res = dec.generate([ids] * n, max_new_tokens=3, seed=seed0 + s, eos_ids=[],
+                               sampling=SamplingParams.create(n, temperature=temperature, top_k=top_k))
+            out += [tuple(t[:3]) for t in res.tokens]
+            acc += sum(st["accepted_tokens"] for st in res.stats)
+            rej += sum(st["checked_tokens"] - st["accepted_tokens"] for st in res.stats)
+        return out, acc, rej
+
+    toks, acc, rej = sample(REAL_CHI_ROWS, 0)
+    pval, impossible, bins = _chi_square_cells(toks, exact)
+    print(f"\nreal model, shipped drafter tree N{REAL_CHI_TREE[0]}/D{REAL_CHI_TREE[1]}/K{REAL_CHI_TREE[2]}, "
+          f"T={temperature} top-k {top_k}: {len(toks)} rows, {acc} drafts accepted, {rej} rejections, "
+          f"{bins} bins, p = {pval:.4g}")
+    assert acc > REAL_CHI_ROWS // 4 and rej > REAL_CHI_ROWS // 4, "the setting must exercise acceptance and rejection"
+    assert impossible == 0, "a sequence outside the top-k support was emitted"
+    assert pval > 1e-3, f"tree speculation on the real model ≠ the target's distribution (p = {pval:.2e})"
+
+    jax.clear_caches()
+    monkeypatch.setattr(T, "child_step", _no_sibling_renormalization(T.child_step))
+    try:
+        toks, acc, rej = sample(REAL_CHI_CONTROL_ROWS, 10_000)
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+    pval, _, bins = _chi_square_cells(toks, exact)
+    print(f"negative control (no residual update after a rejected sibling): {len(toks)} rows, p = {pval:.3g}")
+    assert pval < 1e-6, "the chi-square gate failed to catch siblings verified without the residual update"
 
 
 @pytest.mark.parametrize("fmt", ["bfloat16", "int8"])
