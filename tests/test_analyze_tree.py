@@ -115,3 +115,116 @@ def test_theory_errors_are_one_liners(call, msg):
     with pytest.raises(ValueError) as e:
         call()
     assert msg in str(e.value) and "\n" not in str(e.value)
+
+
+# --------------------------------------------------------------------------- (2) numbers only
+def test_numbers_mode_with_trees(capsys):
+    rc, out, _ = run_cli(capsys, "analyze", "--alpha", "0.8", "--c", "0.02", "--gamma-max", "6",
+                         "--tree-shapes", "8x4x2,16x5x3,6x6x1", "--json")
+    assert rc == 0
+    rep = json.loads(out)
+    rows = {r["shape"]: r for r in rep["trees"]}
+    assert list(rows) == ["8x4x2", "16x5x3", "6x6x1"]
+    assert rows["8x4x2"]["expected_tokens"] == pytest.approx(3.88)  # 1 + .8 + .16 + .64 + 2·.128 + .512 + .1024 + .4096
+    assert rows["8x4x2"]["c_tree"] == pytest.approx(4 * 0.02) and rows["8x4x2"]["v"] == 1.0
+    # K = 1 is the chain row of the same γ
+    chain6 = rep["table"][5]
+    for k in ("expected_tokens", "cost", "speedup"):
+        assert rows["6x6x1"][k] == pytest.approx(chain6[k], rel=1e-12)
+    rec = rep["recommended"]
+    assert rec == {"kind": "tree", "gamma": 5, "shape": "16x5x3", "speedup": rows["16x5x3"]["speedup"],
+                   "basis": "predicted"}
+    assert rec["speedup"] > rep["optimal_speedup"] and "tree_model" in rep
+    # measured v(N) as a list: v(N) is the list's N-th entry
+    vs = [str(1 + 0.05 * i) for i in range(1, 17)]
+    rc, out, _ = run_cli(capsys, "analyze", "--alpha", "0.8", "--c", "0.02", "--v", *vs, "--tree-shapes", "16x5x3",
+                         "--json")
+    (row,) = json.loads(out)["trees"]
+    assert row["v"] == pytest.approx(1.8) and row["cost"] == pytest.approx(0.1 + 1.8)
+    # the human table and the recommendation line
+    rc, out, _ = run_cli(capsys, "analyze", "--alpha", "0.8", "--c", "0.02", "--tree-shapes", "8x4x2")
+    assert rc == 0 and "| 8x4x2 | 8 | 4 | 2 | 3.880 | 0.080 | 1.000 | 1.080 | 3.593 | 3.593 |" in out
+    assert "recommended: chain, γ = 11, predicted speedup 3.817×" in out
+
+
+@pytest.mark.parametrize("shapes, msg", [
+    ("8x4", "'8x4' is not NxDxK"),
+    ("8x4x2,a", "'a' is not NxDxK"),
+    ("8x0x2", "'8x0x2' is not NxDxK"),
+    ("3x2x5", "topk K=5 > nodes N=3"),
+    ("2x3x1", "depth D=3 > nodes N=2"),
+    ("30x2x2", "nodes N=30 > K + (D-1)·K² = 6"),
+])
+def test_bad_tree_shapes_are_one_line_usage_errors(capsys, shapes, msg):
+    rc, out, err = run_cli(capsys, "analyze", "--alpha", "0.8", "--c", "0.02", "--tree-shapes", shapes)
+    assert rc == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("specjax: error: ") and msg in err
+
+
+def test_tree_needs_v_for_every_size_and_a_tree_drafter(capsys, tmp_path):
+    rc, _, err = run_cli(capsys, "analyze", "--alpha", "0.8", "--c", "0.02", "--v", "1.1", "1.2",
+                         "--tree-shapes", "8x4x2")
+    assert rc == 2 and err.count("\n") == 1 and "needs v(N) for N = 8" in err
+    pfile = tmp_path / "p.jsonl"
+    pfile.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    (tmp_path / "dm").mkdir()
+    (tmp_path / "dm" / "config.json").write_text("{}")  # a draft model's directory (not read before the error)
+    rc, _, err = run_cli(capsys, "analyze", "--model", "m", "--draft", str(tmp_path / "dm"), "--prompts", str(pfile),
+                         "--tree-shapes", "4x2x2")
+    assert rc == 2 and err.count("\n") == 1 and "proposes chains only" in err and "4x2x2" in err
+
+
+# --------------------------------------------------------------------------- (3) models, tiny
+def test_models_mode_trees_tiny(capsys, tmp_path):
+    """A tiny random target with the n-gram drafter: each tree shape is timed (c_tree, v(N)) and
+    decoded for real; τ is the loop's new tokens ÷ target calls, the same counters as a tree
+    Decoder gives on the same prompts; greedy tree output equals greedy autoregressive output."""
+    from conftest import tiny_model
+    from test_analysis_cli import _tiny_tokenizer
+    from specjax.api import load_drafter
+    from specjax.eval.measure import prompt_records
+    from specjax.eval.report import render_models
+    from specjax.io.loading import load_model, save_model
+    from specjax.runtime.decoder import Decoder
+
+    tok = _tiny_tokenizer()
+    tdir = save_model(tiny_model(seed=0, scale=20.0, num_layers=1).replace(tokenizer=tok), str(tmp_path / "target"))
+    pfile = tmp_path / "prompts.jsonl"
+    texts = ["w5 w6 w7 w8 w5 w6 w7 w8 w5 w6", "w9 w3 w9 w3 w9 w4 w9 w3"]
+    with open(pfile, "w") as f:
+        for i, t in enumerate(texts):
+            f.write(json.dumps({"question_id": i, "category": "qa", "prompt": t}) + "\n")
+    rc, out, err = run_cli(capsys, "analyze", "--model", tdir, "--draft", "ngram", "--prompts", str(pfile),
+                           "--max-new-tokens", "12", "--gamma-max", "2", "--timing-repeats", "2", "--ignore-eos",
+                           "--tree-shapes", "4x2x2,3x3x1", "--json")
+    assert rc == 0, err
+    rep = json.loads(out)
+    assert [t["shape"] for t in rep["trees"]] == ["4x2x2", "3x3x1"] and "tree_model" in rep
+    for t in rep["trees"]:
+        for k in ("c_tree", "v", "t_target_ms", "t_draft_ms", "expected_tokens", "cost", "predicted_speedup",
+                  "predicted_speedup_textbook", "mean_accepted_tokens", "measured_speedup",
+                  "predicted_speedup_from_measured_tokens", "tokens_per_s_spec", "tokens_per_s_ar"):
+            assert isinstance(t[k], float) and t[k] >= 0, k
+        assert t["v"] > 0 and t["cost"] == pytest.approx(t["c_tree"] + t["v"])
+        assert 1.0 <= t["expected_tokens"] <= t["depth"] + 1
+        tau = t["mean_accepted_tokens"]
+        assert 1.0 <= tau <= t["depth"] + 1 and tau == t["new_tokens"] / t["target_calls"]
+        assert len(t["accept_hist"]) == t["depth"] + 1 and sum(t["accept_hist"]) == t["target_calls"]
+        assert t["ar_tokens_match"] is True  # greedy tree decoding == greedy autoregressive
+        # the same counters from a tree Decoder of that shape on the same prompts (batch 1)
+        target = load_model(tdir)
+        dec = Decoder(target, load_drafter("ngram", target), tree_nodes=t["nodes"], tree_depth=t["depth"],
+                      tree_topk=t["topk"])
+        new = calls = 0
+        for rec in prompt_records(texts, target):
+            r = dec.generate([rec["ids"]], max_new_tokens=12, eos_ids=[])
+            new += r.stats[0]["new_tokens"]
+            calls += r.stats[0]["target_calls"]
+        assert (new, calls) == (t["new_tokens"], t["target_calls"])
+    rec = rep["recommended"]
+    assert rec["basis"] == "measured" and rec["kind"] in ("chain", "tree")
+    best = max([rep["measured"][0]["measured_speedup"]] + [t["measured_speedup"] for t in rep["trees"]])
+    assert rec["speedup"] == best
+    text = render_models(rep)
+    assert "### Draft trees N×D×K" in text and "| 4x2x2 |" in text and "recommended: " in text
+    print(text)
