@@ -50,7 +50,8 @@ def register_cli(subparsers) -> None:
         help="theory table from numbers, or measured alpha/c/v(γ) and predicted vs measured speedup",
         description=(
             "Numbers only: specjax analyze --alpha A --c C [--v V ...]. "
-            "Models: specjax analyze --model M --draft D --prompts FILE [--limit N] [--categories a,b]."
+            "Models: specjax analyze --model M --draft D --prompts FILE [--limit N] [--categories a,b]. "
+            "Either mode: --tree-shapes NxDxK[,...] adds draft trees (docs/analyze.md)."
         ),
     )
     p.add_argument("--alpha", type=float, default=None, help="acceptance rate α in [0, 1] (numbers-only mode)")

@@ -52,7 +52,9 @@ def markdown_tables(results: dict) -> str:
 def render_models(rep: dict) -> str:
     """Markdown of a ``specjax analyze`` models report (:func:`specjax.eval.measure.analyze_pair`'s
     dict, or its JSON read back: integer keys may be strings): α per category, the costs
-    c(γ)/v(γ), the predicted table, and per measured γ predicted vs measured.
+    c(γ)/v(γ), the predicted table, per measured γ predicted vs measured, and with draft trees
+    a table of shapes (c_tree, v(N), predicted vs measured τ and speedup, next to the best
+    chain) and the recommendation line (docs/analyze.md).
 
     Raises:
       KeyError: ``rep`` is not such a report (e.g. a numbers-only report).
