@@ -10,6 +10,12 @@ Two modes:
   recommended γ, and the real speculative run at that γ: measured vs predicted speedup
   and E(N) next to the measured mean accepted tokens (see :mod:`specjax.eval.measure`).
 
+Draft trees — ``--tree-shapes 8x4x2,16x5x3`` (N nodes × depth D × top-k K, as ``--tree-nodes
+--tree-depth --tree-topk`` of ``generate``/``bench``) in either mode: the tree E(N) and
+speedup E(N)/(c_tree + v(N)) per shape next to the chains (:func:`specjax.eval.theory.tree_table`);
+with models, c_tree and v(N) are measured and each shape is decoded for real (measured τ and
+speedup), and the recommendation line names the fastest chain or tree.
+
 Markdown tables for people; ``--json`` for machines; ``--plot out.png`` draws predicted
 speedup against γ with the measured points.
 """
@@ -24,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from specjax.eval import theory as analysis
-from specjax.eval.report import render_models  # noqa: F401  (the models-mode markdown; importable from here too)
+from specjax.eval.report import recommendation_line, render_models  # noqa: F401  (render_models importable from here too)
 
 NUMBERS_GAMMA_MAX = 16
 MODEL_GAMMA_MAX = 8
@@ -44,7 +50,8 @@ def register_cli(subparsers) -> None:
         help="theory table from numbers, or measured alpha/c/v(γ) and predicted vs measured speedup",
         description=(
             "Numbers only: specjax analyze --alpha A --c C [--v V ...]. "
-            "Models: specjax analyze --model M --draft D --prompts FILE [--limit N] [--categories a,b]."
+            "Models: specjax analyze --model M --draft D --prompts FILE [--limit N] [--categories a,b]. "
+            "Either mode: --tree-shapes NxDxK[,...] adds draft trees (docs/analyze.md)."
         ),
     )
     p.add_argument("--alpha", type=float, default=None, help="acceptance rate α in [0, 1] (numbers-only mode)")
@@ -59,7 +66,11 @@ def register_cli(subparsers) -> None:
     p.add_argument("--limit", type=int, default=None, help="at most N prompts per category (file order)")
     p.add_argument("--repeats", type=int, default=1, help="timed decode runs per batch for the measured speedup (median)")
     p.add_argument("--timing-repeats", type=int, default=7, help="timed calls per kind for c and v (median)")
-    add_model_args(p, mesh=False, trees=False)  # measures on one device; chains only (no tree cost model yet)
+    p.add_argument("--tree-shapes", metavar="NxDxK[,NxDxK...]", default=None,
+                   help="draft trees to analyze next to the chains, each N nodes x depth D x top-k K "
+                        "(e.g. 8x4x2,16x5x3); with models each is measured and decoded (needs a tree drafter "
+                        "for K > 1: ngram, default or an EAGLE drafter)")
+    add_model_args(p, mesh=False, trees=False)  # measures on one device; trees via --tree-shapes
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.add_argument("--plot", metavar="PNG", default=None, help="write predicted speedup vs γ (with measured points)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr (shown only on a terminal)")
@@ -96,12 +107,56 @@ def _check_numbers(args) -> tuple[float, float, Any, int]:
     return float(args.alpha), float(args.c), v, int(gmax)
 
 
-def numbers_report(alpha: float, c: float, v: Any = None, gamma_max: int = NUMBERS_GAMMA_MAX) -> dict:
+def parse_tree_shapes(text: str | None) -> list:
+    """``"8x4x2,16x5x3"`` → :class:`~specjax.core.drafting.TreeShape` s (N nodes × depth D ×
+    top-k K), duplicates dropped, in order; ``None`` → ``[]``.
+
+    Raises:
+      UsageError: one line naming the bad shape and the fix (not NxDxK, K > N, D > N,
+        N > K + (D−1)·K²).
+    """
+    from specjax.core.drafting import TreeShape
+
+    if text is None:
+        return []
+    shapes = []
+    for part in text.split(","):
+        part = part.strip()
+        bits = part.lower().split("x")
+        if len(bits) != 3 or not all(b.isdigit() and int(b) >= 1 for b in bits):
+            raise _usage(f"--tree-shapes: {part!r} is not NxDxK (nodes x depth x topk, integers >= 1); "
+                         "e.g. --tree-shapes 8x4x2,16x5x3")
+        n, d, k = (int(b) for b in bits)
+        if k > n:
+            raise _usage(f"--tree-shapes {part}: topk K={k} > nodes N={n} (a node has at most N children); "
+                         f"use K <= {n}, e.g. {n}x{d}x{min(k, n)}")
+        if d > n:
+            raise _usage(f"--tree-shapes {part}: depth D={d} > nodes N={n} (a path of depth D holds D nodes); "
+                         f"raise N to at least {d} or lower D")
+        cap = TreeShape.max_nodes(d, k)
+        if n > cap:
+            raise _usage(f"--tree-shapes {part}: nodes N={n} > K + (D-1)·K² = {cap} (the candidates of a dynamic "
+                         "tree); lower N or raise D/K")
+        shapes.append(TreeShape(n, d, k))
+    return list(dict.fromkeys(shapes))
+
+
+def _tree_key(t) -> str:
+    return f"{t.nodes}x{t.depth}x{t.topk}"
+
+
+def numbers_report(alpha: float, c: float, v: Any = None, gamma_max: int = NUMBERS_GAMMA_MAX,
+                   trees: Any = ()) -> dict:
     """The theory for given α, c (and v): table rows for γ = 1..gamma_max, optimal γ, oracle bound.
 
     ``v``: ``None`` (textbook), one float for every γ, or a list ``v(1)..v(G)``. With a
     list only γ ≤ len(v) is searched; otherwise the optimum is searched over
     ``1..max(gamma_max, 64)`` so a short table does not hide it.
+
+    ``trees``: :class:`~specjax.core.drafting.TreeShape` s; adds ``trees`` (rows of
+    :func:`specjax.eval.theory.tree_table` with a_r = α(1−α)^{r−1}, c_tree = D·c, v(N) from ``v``
+    at N draft tokens: a list must cover every N), ``tree_model`` and ``recommended`` (the best of
+    the optimal chain — or the table's best when the optimum is unbounded — and the trees).
     """
     gammas = list(range(1, gamma_max + 1))
     vv = np.asarray(v, float) if isinstance(v, list) else v
@@ -112,6 +167,21 @@ def numbers_report(alpha: float, c: float, v: Any = None, gamma_max: int = NUMBE
     g_tb, s_tb = analysis.optimal_gamma(alpha, c, None, max_gamma=tb_search)
     why = None if isinstance(v, list) else _unbounded_reason(alpha, c, v, g_opt, search)
     why_tb = _unbounded_reason(alpha, c, None, g_tb, tb_search)
+    extra = {}
+    if trees:
+        vt = v if not isinstance(v, list) else {i + 1: x for i, x in enumerate(v)}
+        trows = analysis.tree_table(analysis.rank_acceptance(alpha, max(t.topk for t in trees)),
+                                    [(t.nodes, t.depth, t.topk) for t in trees], c, vt)
+        if why:  # no finite chain optimum: the best chain of the table
+            best = max(rows, key=lambda r: (r["speedup"], -r["gamma"]))
+            chain = ("chain", int(best["gamma"]), None, float(best["speedup"]))
+        else:
+            chain = ("chain", int(g_opt), None, float(s_opt))
+        cands = [chain] + [("tree", r["depth"], r["shape"], r["speedup"]) for r in trows]
+        pick = max(enumerate(cands), key=lambda ic: (ic[1][3], -ic[0]))[1]
+        extra = {"trees": trows, "tree_model": TREE_MODEL_NUMBERS,
+                 "recommended": {"kind": pick[0], "gamma": pick[1], "shape": pick[2], "speedup": pick[3],
+                                 "basis": "predicted"}}
     return {
         "mode": "numbers",
         "alpha": alpha,
@@ -126,7 +196,13 @@ def numbers_report(alpha: float, c: float, v: Any = None, gamma_max: int = NUMBE
         "optimal_speedup_textbook": None if why_tb else float(s_tb),
         "optimal_gamma_textbook_reason": why_tb,
         "oracle_bound": float(analysis.oracle_bound(alpha)),
+        **extra,
     }
+
+
+TREE_MODEL_NUMBERS = ("per-rank acceptance a_r = alpha (1 - alpha)^(r-1) at every node; the tree of shape NxDxK is "
+                      "EAGLE-2's dynamic tree on those path probabilities; E(N) = 1 + sum over nodes of the product "
+                      "of a_r along the path; speedup = E(N) / (D c + v(N))")
 
 
 def _unbounded_reason(alpha: float, c: float, v, g_best: int, search: int) -> str | None:
@@ -170,6 +246,9 @@ def render_numbers(rep: dict) -> str:
            else f"textbook (v = 1): γ = {rep['optimal_gamma_textbook']} ({rep['optimal_speedup_textbook']:.3f}×); ")
         + f"oracle bound 1/(1−α) = {_fmt(rep['oracle_bound'])}",
     ]
+    if rep.get("trees"):
+        lines += ["", "### Draft trees (a_r = α(1−α)^(r−1) per child rank r, c_tree = D·c, v(N) at N drafts)", "",
+                  analysis.format_table(rep["trees"]), "", recommendation_line(rep["recommended"])]
     return "\n".join(lines)
 
 
@@ -231,7 +310,13 @@ def cmd_analyze(args) -> int:
         model_flags = [f for f in ("model", "draft", "prompts", "prompt", "config") if getattr(args, f, None)]
         if model_flags:
             raise _usage(f"--alpha/--c/--v (numbers only) cannot be combined with --{model_flags[0]}")
-        rep = numbers_report(*_check_numbers(args))
+        alpha, c, v, gmax = _check_numbers(args)
+        trees = parse_tree_shapes(args.tree_shapes)
+        if trees and isinstance(v, list) and max(t.nodes for t in trees) > len(v):
+            n = max(t.nodes for t in trees)
+            raise _usage(f"--tree-shapes needs v(N) for N = {n} drafted nodes: give {n} --v values (v(1)..v({n})) "
+                         "or one value for every size")
+        rep = numbers_report(alpha, c, v, gmax, trees)
         text = render_numbers(rep)
     else:
         rep = run_models(args)
@@ -254,10 +339,17 @@ def run_models(args) -> dict:
 
     s = resolve(args, need_draft="analyze with models needs one drafter: --draft ngram[:N] | PATH_OR_ID "
                                   "(or give numbers only: --alpha A --c C)")
-    if s["tree"] is not None:
-        from specjax.cli.common import note
+    trees = parse_tree_shapes(args.tree_shapes)
+    if s["tree"] is not None and s["tree"] not in trees:  # a pair config's tree is analyzed too
+        trees.append(s["tree"])
+    if trees:
+        from specjax.api import draft_spec_proposes_trees
 
-        note(f"analyze measures chains; the config's draft tree ({s['tree'].label}) is not analyzed")
+        wide = [t for t in trees if t.topk > 1]
+        if wide and not draft_spec_proposes_trees(s["draft"]):
+            raise _usage(f"--draft {s['draft']} is a draft model, which proposes chains only; tree shape "
+                         f"{_tree_key(wide[0])} (topk {wide[0].topk}) needs --draft default, ngram or an EAGLE "
+                         "drafter directory (or topk 1)")
     gmax = MODEL_GAMMA_MAX if args.gamma_max is None else args.gamma_max
     if gmax < 1:
         raise _usage(f"--gamma-max must be >= 1, got {gmax}")
@@ -276,7 +368,7 @@ def run_models(args) -> dict:
                               ignore_eos=args.ignore_eos)
     rep = measure.analyze_pair(
         target, drafter, prompts, settings, gamma_max=gmax, gamma=gamma, chat=bool(s["chat"]), repeats=args.repeats,
-        timing_repeats=args.timing_repeats, log=log, progress=not args.no_progress,
+        timing_repeats=args.timing_repeats, log=log, progress=not args.no_progress, trees=trees,
     )
     rep["mode"] = "models"
     rep["command_settings"] = {"model": s["model"] or "default", "draft": s["draft"],

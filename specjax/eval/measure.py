@@ -60,6 +60,8 @@ __all__ = [
     "recommend",
     "recommend_gamma",
     "fastest_format",
+    "tree_key",
+    "tree_program",
 ]
 
 ALPHA_METHOD = (
@@ -338,8 +340,9 @@ def measure_costs(
     repeats: int = 7,
     warmup: int = 2,
     measure_gammas: Sequence[int] | None = None,
+    trees: Sequence[Any] = (),
 ) -> dict:
-    """Measured c(γ) and v(γ) with the decode loop's shapes.
+    """Measured c(γ) and v(γ) with the decode loop's shapes (and, for draft trees, c_tree and v(N)).
 
     The target is timed as the loop runs it: ``llama.apply`` over T new tokens on a
     donated KV cache of the decoder's buffer length for (``prompt_len``,
@@ -353,13 +356,21 @@ def measure_costs(
       gammas: γ values for which c(γ) and v(γ) are reported.
       measure_gammas: the γ actually timed (default: ``gammas``); for the others the target
         and drafter call times are interpolated linearly in γ (a quick mode for :func:`recommend`).
+      trees: :class:`~specjax.core.drafting.TreeShape` s (N, D, K) also timed, in the same
+        round-robin as the chain calls: the target call over ``[root, N nodes]`` with the tree mask
+        at tree positions on the tree program's cache (:func:`_tree_target_case`), and one whole
+        tree proposal of the drafter (:func:`_tree_draft_case`).
     Returns:
       dict: ``gammas``, ``c`` (list, c(γ)), ``v`` (list, v(γ)), ``c_scalar`` (c at the
       largest γ), ``t_target_ms`` ``{T: ms}``, ``t_draft_ms`` ``{γ: ms}``, ``batch``,
       ``buffer_len`` ``{γ: slots}`` and ``cache_dtype`` (the target's KV cache) of the
-      decoder's own programs (:func:`timed_programs`), ``interpolated`` (γ not timed), ``method``.
+      decoder's own programs (:func:`timed_programs`), ``interpolated`` (γ not timed), ``method``;
+      with ``trees``, ``trees`` ``{"NxDxK": {nodes, depth, topk, label, t_target_ms, t_draft_ms,
+      v, c_tree, buffer_len}}``: ``v = t_target(N+1 tokens, tree mask) / t_target(1)`` and
+      ``c_tree = t_draft(tree) / t_target(1)`` (the whole tree's drafter cost in target steps).
     Raises:
-      ValueError: no γ or a γ < 1; ``prompt_len`` not shorter than the context.
+      ValueError: no γ or a γ < 1; ``prompt_len`` not shorter than the context; trees without
+        a drafter or with K > 1 for a drafter that proposes chains only.
     """
     gammas = sorted({int(g) for g in gammas})
     if not gammas or gammas[0] < 1:
@@ -374,6 +385,14 @@ def measure_costs(
         calls[("target", g + 1)] = _target_case(target, progs[g], b, g + 1, pos0, sp)
         if drafter is not None:
             calls[("draft", g)] = _draft_case(target.config, drafter, progs[g].buffer_len, b, g, pos0, sp)
+    tprogs = {}
+    for shape in trees:
+        if drafter is None:
+            raise ValueError("timing draft trees needs a drafter")
+        tprogs[shape] = tree_program(target, drafter, shape, prompt_len, max_new_tokens)
+        calls[("tree_target", shape)] = _tree_target_case(target, tprogs[shape], b, shape, pos0, sp)
+        calls[("tree_draft", shape)] = _tree_draft_case(target.config, drafter, tprogs[shape].buffer_len, b, shape,
+                                                        pos0, sp)
     med = _median_ms(calls, warmup, repeats)
     t1 = med[("target", 1)]
     # untimed γ: the call times interpolated linearly (a call's cost is about affine in its width)
@@ -393,7 +412,24 @@ def measure_costs(
         "interpolated": [g for g in gammas if g not in timed],
         "repeats": int(repeats),
         "method": COST_METHOD,
+        **({"trees": {tree_key(t): {
+            "nodes": t.nodes, "depth": t.depth, "topk": t.topk, "label": t.label,
+            "t_target_ms": med[("tree_target", t)], "t_draft_ms": med[("tree_draft", t)],
+            "v": med[("tree_target", t)] / t1, "c_tree": med[("tree_draft", t)] / t1,
+            "buffer_len": tprogs[t].buffer_len} for t in trees}} if trees else {}),
     }
+
+
+def tree_key(shape) -> str:
+    """``"NxDxK"``: how ``specjax analyze --tree-shapes`` and its JSON name a tree shape."""
+    return f"{shape.nodes}x{shape.depth}x{shape.topk}"
+
+
+def tree_program(target, drafter, shape, prompt_len: int, max_new_tokens: int) -> Program:
+    """The decode :class:`Program` a tree Decoder of ``shape`` runs for one prompt of
+    ``prompt_len`` tokens (its buffer holds the tree's scratch slots, :func:`specjax.runtime.loop.tree_scratch`)."""
+    return Decoder(target, drafter, tree_nodes=shape.nodes, tree_depth=shape.depth,
+                   tree_topk=shape.topk).program(prompt_len, max_new_tokens)
 
 
 def _cost_rng(*salt: int) -> np.random.Generator:
@@ -436,6 +472,69 @@ def _draft_case(cfg, drafter, buf: int, b: int, g: int, pos0: int, sp):
     return run
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "cfg"), donate_argnames=("cache",))
+def _tree_target_call(graphdef, cfg, params, tokens, positions, cache, sampling, tree_mask):
+    """One tree verification call as :func:`specjax.runtime.loop._tree_round` makes it:
+    ``llama.apply`` over ``[root, nodes] [B, N+1]`` with ``tree_mask [B, N+1, N+1]``, then
+    ``SamplingParams.process``: ``(p [B, N+1, V], hidden [B, N+1, D], cache)``."""
+    out = llama.apply(graphdef, params, tokens, positions, cache, cfg, return_hidden=True, tree_mask=tree_mask)
+    return sampling.process(out.logits), out.hidden, out.cache
+
+
+@functools.partial(jax.jit, static_argnames=("drafter", "shape", "vocab"), donate_argnames=("state",))
+def _tree_draft_call(drafter, params, state, ctx, keys, shape, vocab):
+    """One whole tree proposal as the loop makes it (:func:`specjax.runtime.loop._propose_tree`):
+    ``(tokens [B, N], valid [B, N], state)``."""
+    from specjax.runtime.loop import _propose_tree
+
+    prop = _propose_tree(drafter, params, state, ctx, keys, shape, vocab)
+    return prop.tree.tokens, prop.tree.valid, prop.state
+
+
+def _tree_target_case(target, prog: Program, b: int, shape, pos0: int, sp):
+    """``run()``: one target call over the root and N nodes of a tree of ``shape`` (the
+    topology of :func:`specjax.eval.theory.static_tree` at α = 1/2, random tokens) with the tree
+    mask, the root at position ``pos0``, on a donated KV cache of ``prog``'s buffer and dtype."""
+    from specjax.core import tree as tree_ops
+
+    cfg = target.config
+    parents, _ = analysis.static_tree(shape.nodes, shape.depth, shape.topk, analysis.rank_acceptance(0.5, shape.topk))
+    depth = np.zeros(shape.nodes, np.int32)
+    for i, p in enumerate(parents):
+        depth[i] = 1 if p < 0 else depth[p] + 1
+    rng = _cost_rng(200 + shape.nodes, shape.depth, shape.topk)
+    tree = tree_ops.DraftTree.create(rng.integers(2, cfg.vocab_size, (b, shape.nodes)),
+                                     np.broadcast_to(parents, (b, shape.nodes)), np.broadcast_to(depth, (b, shape.nodes)),
+                                     max_depth=shape.depth, max_children=shape.topk)
+    toks = jnp.concatenate([jnp.asarray(rng.integers(2, cfg.vocab_size, (b, 1)), jnp.int32), tree.tokens], axis=1)
+    pos = tree_ops.positions(tree, jnp.full((b,), pos0 + 1, jnp.int32))
+    mask = tree_ops.block_attention_mask(tree)
+    box = [llama.KVCache.create(cfg, b, prog.buffer_len, jnp.dtype(prog.cache_dtype))]
+
+    def run():
+        probs, _, box[0] = _tree_target_call(target.graphdef, cfg, target.params, toks, pos, box[0], sp, mask)
+        jax.block_until_ready(probs)
+    return run
+
+
+def _tree_draft_case(cfg, drafter, buf: int, b: int, shape, pos0: int, sp):
+    """``run()``: one whole tree proposal of ``shape`` by the drafter (its state for a buffer of
+    ``buf`` slots, donated), as in a round after a tree verify call (``target_hidden [B, D+1, ·]``)."""
+    vocab, rng = cfg.vocab_size, _cost_rng(300 + shape.nodes, shape.depth, shape.topk)
+    toks = rng.integers(2, vocab, (b, buf))
+    toks[:, pos0 // 2: pos0] = toks[:, : pos0 - pos0 // 2]  # n-gram matches, as in _draft_case
+    hid = (0.1 * rng.standard_normal((b, buf, cfg.hidden_size))).astype(np.float32)
+    toks, lens, zeros = jnp.asarray(toks, jnp.int32), jnp.full((b,), pos0, jnp.int32), jnp.zeros((b,), jnp.int32)
+    box = [_draft_init(drafter, drafter.params, DraftContext(toks, lens, sp, jnp.asarray(hid), zeros), buf)]
+    ctx = DraftContext(toks, lens, sp, jnp.asarray(hid[:, pos0 - 1: pos0 + shape.depth]), zeros)
+    keys = jnp.asarray(rng.integers(0, 2 ** 32, (b, shape.nodes, 2), dtype=np.uint32))
+
+    def run():
+        t, valid, box[0] = _tree_draft_call(drafter, drafter.params, box[0], ctx, keys, shape, vocab)
+        jax.block_until_ready((t, valid))
+    return run
+
+
 def _median_ms(calls: dict, warmup: int, repeats: int) -> dict:
     """Median milliseconds per call kind: each ``run()`` warmed up ``warmup`` times (compile),
     then all kinds timed round-robin ``repeats`` times (load drift hits every kind alike)."""
@@ -466,6 +565,7 @@ def analyze_pair(
     measure_run: bool = True,
     log=None,
     progress: bool = False,
+    trees: Sequence[Any] = (),
 ) -> dict:
     """Everything ``specjax analyze`` reports for one target/drafter pair.
 
@@ -477,6 +577,12 @@ def analyze_pair(
     measured c(γ), v(γ)); (5) the real speculative run at the recommended γ (and at
     ``gamma`` if given), interleaved with AR (:func:`measure_speedup`). ``progress``: tqdm
     bars on stderr over the prompts / batches of steps 1, 2 and 5 (only when stderr is a terminal).
+
+    With ``trees`` (:class:`~specjax.core.drafting.TreeShape` s): step 3 also times each
+    shape's c_tree and v(N) (:func:`measure_costs`), step 4 predicts its τ and speedup
+    (:func:`tree_entry`), step 5 also decodes with each shape (a real tree decode, interleaved
+    with AR) for the measured τ and speedup, and ``recommended`` names the fastest of the
+    recommended chain and the trees (measured speedup; predicted with ``measure_run=False``).
 
     Args:
       prompts: texts, id lists or records (:func:`prompt_records`).
@@ -499,8 +605,12 @@ def analyze_pair(
     batch = settings.batch_size or len(recs)
     say(f"[3/5] costs c(γ), v(γ) for γ = 1..{gamma_max} (batch {batch}, prompt {plen} tokens)")
     mg = sorted({g for g in (1, 2, 4, 8, int(gamma_max)) if g <= gamma_max}) if quick_costs else None
+    trees = list(dict.fromkeys(trees))
+    if trees:
+        say(f"[3/5] … and for the trees {', '.join(tree_key(t) for t in trees)}: c_tree and v(N)")
     costs = measure_costs(target, drafter, gammas, batch=batch, prompt_len=plen,
-                          max_new_tokens=settings.max_new_tokens, repeats=timing_repeats, measure_gammas=mg, **sp_kw)
+                          max_new_tokens=settings.max_new_tokens, repeats=timing_repeats, measure_gammas=mg,
+                          trees=trees, **sp_kw)
     a = alpha["alpha"] if np.isfinite(alpha["alpha"]) else 0.0
     rows = theory_rows(a, gammas, costs["c"], costs["v"])
     best = best_row(rows)
@@ -515,7 +625,109 @@ def analyze_pair(
                                   progress=progress)
             row = rows[g - 1] if g <= len(rows) else theory_rows(a, [g], costs["c_scalar"], costs["v"][-1])[0]
             report["measured"].append(_measured_entry(a, g, run, row, alpha, settings))
+    for t in trees:
+        entry = tree_entry(a, costs["trees"][tree_key(t)], alpha["coverage"])
+        if measure_run:
+            say(f"[5/5] speculative run with draft trees {tree_key(t)} (interleaved with autoregressive)")
+            run = measure_speedup(target, drafter, recs, t.depth, settings, repeats=repeats, decoders=decoders,
+                                  progress=progress, tree=t)
+            entry.update(_tree_measured(run, entry, settings))
+        report["trees"].append(entry)
+    if trees:
+        report["tree_model"] = TREE_MODEL
+    report["recommended"] = recommend_shape(report)
     return report
+
+
+TREE_MODEL = (
+    "per-rank acceptance a_r = alpha (1 - alpha)^(r-1) at every node (independent tries); the tree of shape "
+    "NxDxK is EAGLE-2's dynamic tree on those path probabilities (theory.static_tree); E(N) = 1 + sum over nodes "
+    "of the product of a_r along the path (Sequoia's F(T)); speedup = E(N) / (c_tree + v(N)) with c_tree and v(N) "
+    "measured (measure_costs)"
+)
+
+
+def tree_entry(alpha: float, cost: dict, coverage: float = 1.0) -> dict:
+    """The predictions for one tree shape at acceptance rate ``alpha`` with its measured costs.
+
+    Args:
+      cost: one entry of :func:`measure_costs`' ``trees`` (``nodes``, ``depth``, ``topk``, ``v``,
+        ``c_tree``, ``t_target_ms``, ``t_draft_ms``, ``buffer_len``).
+      coverage: the fraction f of positions where the drafter proposes (an n-gram drafter: f < 1).
+    Returns:
+      dict: ``shape`` ("NxDxK"), ``label``, ``nodes``, ``depth``, ``topk``, ``alpha``, the costs,
+      ``expected_tokens`` (predicted τ, :func:`specjax.eval.theory.tree_expected_tokens` of
+      :func:`specjax.eval.theory.static_tree` with :func:`~specjax.eval.theory.rank_acceptance`),
+      ``cost`` (``c_tree + v``), ``predicted_speedup``, ``predicted_speedup_textbook`` (v = 1); with
+      f < 1 also ``coverage``, ``expected_tokens_coverage_adjusted`` (``f E + 1 − f``) and
+      ``predicted_speedup_coverage_adjusted`` (``(f E + 1 − f) / (c_tree + f v + 1 − f)``: plain
+      steps where nothing is proposed, as for chains in :func:`compare`).
+    """
+    n, d, k = int(cost["nodes"]), int(cost["depth"]), int(cost["topk"])
+    a = analysis.rank_acceptance(alpha, k)
+    parents, ranks = analysis.static_tree(n, d, k, a)
+    e = float(analysis.tree_expected_tokens(parents, a, ranks))
+    ct, v = float(cost["c_tree"]), float(cost["v"])
+    out = {"shape": f"{n}x{d}x{k}", "label": cost.get("label", f"tree(N{n},D{d},K{k})"), "nodes": n, "depth": d,
+           "topk": k, "alpha": float(alpha), "c_tree": ct, "v": v, "t_target_ms": cost["t_target_ms"],
+           "t_draft_ms": cost["t_draft_ms"], "buffer_len": cost["buffer_len"], "expected_tokens": e,
+           "cost": ct + v, "predicted_speedup": float(analysis.tree_speedup(e, ct, v)),
+           "predicted_speedup_textbook": float(analysis.tree_speedup(e, ct, 1.0))}
+    if coverage < 1.0:
+        f = float(coverage)
+        out["coverage"] = f
+        out["expected_tokens_coverage_adjusted"] = f * e + 1 - f
+        out["predicted_speedup_coverage_adjusted"] = (f * e + 1 - f) / (ct + f * v + 1 - f)
+    return out
+
+
+def _tree_measured(run: dict, entry: dict, settings: DecodeSettings) -> dict:
+    """The measured half of a tree entry from :func:`measure_speedup`'s run with that tree: τ
+    (``mean_accepted_tokens`` = the loop's new tokens ÷ target calls, pooled), its counters,
+    ``accept_hist`` (rounds by accepted depth 0..D), speedup and tokens/s."""
+    spec = run["spec"]
+    tau = spec["mean_accepted_tokens"]
+    ms = run.get("speedup", float("nan"))
+    return {
+        "mean_accepted_tokens": tau,
+        "tokens_discrepancy": tau - entry["expected_tokens"],
+        "new_tokens": spec["new_tokens"],
+        "target_calls": spec["target_calls"],
+        "drafted_tokens": spec["drafted_tokens"],
+        "accepted_tokens": spec["accepted_tokens"],
+        "acceptance_rate": spec["acceptance_rate"],
+        "accept_hist": spec["accept_hist"],
+        "measured_speedup": ms,
+        "predicted_speedup_from_measured_tokens": tau / entry["cost"],
+        "speedup_relative_error": (entry["predicted_speedup"] - ms) / ms if ms and np.isfinite(ms) else float("nan"),
+        "tokens_per_s_spec": spec["tokens_per_s"],
+        "tokens_per_s_ar": run["ar"]["tokens_per_s"] if "ar" in run else float("nan"),
+        "ar_tokens_match": run["tokens"] == run["ar_tokens"] if settings.temperature == 0 and "ar_tokens" in run
+        else None,
+    }
+
+
+def recommend_shape(report: dict) -> dict:
+    """The fastest way to speculate in an :func:`analyze_pair` report: the recommended chain
+    (its measured run at the recommended γ) or one of the ``trees``, by measured speedup where
+    every candidate was run, else by predicted speedup (ties: the chain, then the smaller tree).
+
+    Returns:
+      ``{"kind": "chain" | "tree", "gamma": D or γ, "shape": "NxDxK" or None, "speedup",
+      "basis": "measured" | "predicted"}``.
+    """
+    chain_run = next((m for m in report["measured"] if m["gamma"] == report["recommended_gamma"]), None)
+    measured = chain_run is not None and all("measured_speedup" in t for t in report["trees"])
+    key = "measured_speedup" if measured else "predicted_speedup"
+    cands = [("chain", report["recommended_gamma"], None,
+              chain_run["measured_speedup"] if measured else report["predicted_speedup"])]
+    cands += [("tree", t["depth"], t["shape"], t[key]) for t in report["trees"]]
+
+    def score(c):
+        return c[3] if c[3] is not None and np.isfinite(c[3]) else -np.inf
+    best = max(enumerate(cands), key=lambda ic: (score(ic[1]), -ic[0]))[1]
+    return {"kind": best[0], "gamma": int(best[1]), "shape": best[2], "speedup": best[3],
+            "basis": "measured" if measured else "predicted"}
 
 
 def _pair_report(target, drafter, settings, chat, recs, plen, alpha, costs, rows, a) -> dict:
@@ -541,6 +753,7 @@ def _pair_report(target, drafter, settings, chat, recs, plen, alpha, costs, rows
         "oracle_bound": float(analysis.oracle_bound(a)),
         "speculation_pays": bool(best["speedup"] > 1.0),
         "measured": [],
+        "trees": [],
     }
 
 

@@ -52,7 +52,9 @@ def markdown_tables(results: dict) -> str:
 def render_models(rep: dict) -> str:
     """Markdown of a ``specjax analyze`` models report (:func:`specjax.eval.measure.analyze_pair`'s
     dict, or its JSON read back: integer keys may be strings): α per category, the costs
-    c(γ)/v(γ), the predicted table, and per measured γ predicted vs measured.
+    c(γ)/v(γ), the predicted table, per measured γ predicted vs measured, and with draft trees
+    a table of shapes (c_tree, v(N), predicted vs measured τ and speedup, next to the best
+    chain) and the recommendation line (docs/analyze.md).
 
     Raises:
       KeyError: ``rep`` is not such a report (e.g. a numbers-only report).
@@ -92,34 +94,83 @@ def render_models(rep: dict) -> str:
             f"{'' if rep['speculation_pays'] else ': speculation does not pay with this drafter'}); "
             f"textbook optimum γ = {rep['optimal_gamma_textbook']}; oracle bound 1/(1−α) = {rep['oracle_bound']:.3f}"]
     for m in rep["measured"]:
-        out += ["", f"### Measured at γ = {m['gamma']} (real decode loop, interleaved with autoregressive)", ""]
-        rows = [
-            {"quantity": "tokens per target call", "predicted": m["expected_tokens"],
-             "measured": m["mean_accepted_tokens"], "difference": m["tokens_discrepancy"],
-             "note": "E(N) from α vs mean_accepted_tokens (acceptances are not independent)"},
-            {"quantity": "acceptance rate", "predicted": m["alpha"], "measured": m["acceptance_rate"],
-             "difference": m["acceptance_rate"] - m["alpha"], "note": "α (Σmin) vs accepted ÷ checked drafts"},
-            {"quantity": "speedup (×)", "predicted": m["predicted_speedup"], "measured": m["measured_speedup"],
-             "difference": m["predicted_speedup"] - m["measured_speedup"],
-             "note": f"relative error {m['speedup_relative_error']:+.1%}"},
-            {"quantity": "speedup, textbook v = 1", "predicted": m["predicted_speedup_textbook"],
-             "measured": m["measured_speedup"], "difference": m["predicted_speedup_textbook"] - m["measured_speedup"],
-             "note": ""},
-            {"quantity": "speedup from measured tokens/call", "predicted": m["predicted_speedup_from_measured_tokens"],
-             "measured": m["measured_speedup"],
-             "difference": m["predicted_speedup_from_measured_tokens"] - m["measured_speedup"],
-             "note": "mean_accepted_tokens ÷ (γc + v): the cost model alone"},
-        ]
-        if "predicted_speedup_coverage_adjusted" in m:
-            rows.append({"quantity": "speedup, coverage-adjusted", "predicted": m["predicted_speedup_coverage_adjusted"],
-                         "measured": m["measured_speedup"],
-                         "difference": m["predicted_speedup_coverage_adjusted"] - m["measured_speedup"],
-                         "note": f"plain steps where nothing is proposed ({m['coverage']:.0%} proposed)"})
-        out.append(analysis.format_table(rows))
-        out.append(f"\ntokens/s: speculative {m['tokens_per_s_spec']:.2f}, autoregressive {m['tokens_per_s_ar']:.2f}"
-                   + ("" if m.get("ar_tokens_match") is None else
-                      f"; greedy outputs identical: {m['ar_tokens_match']}"))
-        out += ["", analysis.format_table([
-            {"category": c, "alpha": v["alpha"], "E(N)": v["expected_tokens"],
-             "mean_accepted_tokens": v["mean_accepted_tokens"]} for c, v in sorted(m["by_category"].items())])]
+        out += _render_measured(m)
+    if rep.get("trees"):
+        out += _render_trees(rep)
     return "\n".join(out)
+
+
+def _render_trees(rep: dict) -> list[str]:
+    """The draft-tree section of :func:`render_models`: one row per shape (predicted next to
+    measured τ and speedup) with the best chain's measured row first, and the recommendation."""
+    chain = next((m for m in rep["measured"] if m["gamma"] == rep["recommended_gamma"]), None)
+    rows = []
+    if chain is not None:
+        rows.append({"shape": f"chain γ={chain['gamma']}", "c_tree": rep["c_by_gamma"][chain["gamma"] - 1] * chain["gamma"]
+                     if chain["gamma"] <= len(rep["c_by_gamma"]) else None,
+                     "v": rep["v"][chain["gamma"] - 1] if chain["gamma"] <= len(rep["v"]) else None,
+                     "τ predicted": chain["expected_tokens"], "τ measured": chain["mean_accepted_tokens"],
+                     "speedup predicted": chain["predicted_speedup"], "speedup measured": chain["measured_speedup"]})
+    for t in rep["trees"]:
+        rows.append({"shape": t["shape"], "c_tree": t["c_tree"], "v": t["v"], "τ predicted": t["expected_tokens"],
+                     "τ measured": t.get("mean_accepted_tokens"), "speedup predicted": t["predicted_speedup"],
+                     "speedup measured": t.get("measured_speedup")})
+    out = ["", f"### Draft trees N×D×K (α = {rep['alpha']['alpha']:.4f}: a_r = α(1−α)^(r−1) per child rank r; "
+               "measured c_tree = drafter's tree ÷ t_target(1), v(N) = t_target(N+1 tokens, tree mask) ÷ t_target(1))",
+           "", analysis.format_table([{k: ("–" if v is None else v) for k, v in r.items()} for r in rows])]
+    adj = [t for t in rep["trees"] if "predicted_speedup_coverage_adjusted" in t]
+    if adj:
+        out.append("\ncoverage-adjusted predictions (plain steps where nothing is proposed, "
+                   f"{adj[0]['coverage']:.0%} proposed): "
+                   + ", ".join(f"{t['shape']}: τ {t['expected_tokens_coverage_adjusted']:.3f}, "
+                               f"{t['predicted_speedup_coverage_adjusted']:.3f}×" for t in adj))
+    hists = [t for t in rep["trees"] if t.get("accept_hist")]
+    if hists:
+        out.append("\nrounds by accepted depth 0..D (the loop's accept_hist): "
+                   + "; ".join(f"{t['shape']}: {t['accept_hist']}" for t in hists))
+    if rep.get("recommended"):
+        out += ["", recommendation_line(rep["recommended"])]
+    return out
+
+
+def recommendation_line(rec: dict) -> str:
+    """The recommendation of an analyze report (its ``recommended`` dict), one line:
+    ``recommended: draft tree 16x5x3 (N×D×K), measured speedup 1.234×`` or a chain's γ."""
+    what = f"draft tree {rec['shape']} (N×D×K)" if rec["kind"] == "tree" else f"chain, γ = {rec['gamma']}"
+    sp = rec["speedup"]
+    return f"recommended: {what}, {rec['basis']} speedup {'–' if sp is None else f'{sp:.3f}×'}"
+
+
+def _render_measured(m: dict) -> list[str]:
+    """One chain run of :func:`render_models` (``m``: a ``measured`` entry)."""
+    out = ["", f"### Measured at γ = {m['gamma']} (real decode loop, interleaved with autoregressive)", ""]
+    rows = [
+        {"quantity": "tokens per target call", "predicted": m["expected_tokens"],
+         "measured": m["mean_accepted_tokens"], "difference": m["tokens_discrepancy"],
+         "note": "E(N) from α vs mean_accepted_tokens (acceptances are not independent)"},
+        {"quantity": "acceptance rate", "predicted": m["alpha"], "measured": m["acceptance_rate"],
+         "difference": m["acceptance_rate"] - m["alpha"], "note": "α (Σmin) vs accepted ÷ checked drafts"},
+        {"quantity": "speedup (×)", "predicted": m["predicted_speedup"], "measured": m["measured_speedup"],
+         "difference": m["predicted_speedup"] - m["measured_speedup"],
+         "note": f"relative error {m['speedup_relative_error']:+.1%}"},
+        {"quantity": "speedup, textbook v = 1", "predicted": m["predicted_speedup_textbook"],
+         "measured": m["measured_speedup"], "difference": m["predicted_speedup_textbook"] - m["measured_speedup"],
+         "note": ""},
+        {"quantity": "speedup from measured tokens/call", "predicted": m["predicted_speedup_from_measured_tokens"],
+         "measured": m["measured_speedup"],
+         "difference": m["predicted_speedup_from_measured_tokens"] - m["measured_speedup"],
+         "note": "mean_accepted_tokens ÷ (γc + v): the cost model alone"},
+    ]
+    if "predicted_speedup_coverage_adjusted" in m:
+        rows.append({"quantity": "speedup, coverage-adjusted", "predicted": m["predicted_speedup_coverage_adjusted"],
+                     "measured": m["measured_speedup"],
+                     "difference": m["predicted_speedup_coverage_adjusted"] - m["measured_speedup"],
+                     "note": f"plain steps where nothing is proposed ({m['coverage']:.0%} proposed)"})
+    out.append(analysis.format_table(rows))
+    out.append(f"\ntokens/s: speculative {m['tokens_per_s_spec']:.2f}, autoregressive {m['tokens_per_s_ar']:.2f}"
+               + ("" if m.get("ar_tokens_match") is None else
+                  f"; greedy outputs identical: {m['ar_tokens_match']}"))
+    out += ["", analysis.format_table([
+        {"category": c, "alpha": v["alpha"], "E(N)": v["expected_tokens"],
+         "mean_accepted_tokens": v["mean_accepted_tokens"]} for c, v in sorted(m["by_category"].items())])]
+    return out

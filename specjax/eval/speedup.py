@@ -87,9 +87,12 @@ def measure_speedup(
     autoregressive: bool = True,
     decoders: dict | None = None,
     progress: bool = False,
+    tree=None,
 ) -> dict:
     """The real decode loop: autoregressive and speculative (γ) on the same prompts,
     interleaved batch by batch (AR, spec, AR, spec, …) so both see the same machine load.
+    With ``tree`` (a :class:`~specjax.core.drafting.TreeShape`) the speculative decoder drafts
+    trees of that shape instead of chains (``gamma`` is then the tree's depth D).
 
     Each batch is run ``repeats`` times per decoder after a compile (compile time is
     never counted: :class:`Decoder` compiles ahead of time); per batch the median decode
@@ -108,12 +111,17 @@ def measure_speedup(
     """
     settings = DecodeSettings(batch_size=1) if settings is None else settings
     decoders = {} if decoders is None else decoders
-    kinds = [("spec", _decoder(decoders, target, drafter, int(gamma)))]
+    if tree is not None:
+        gamma = tree.depth
+    what = f"γ={gamma}" if tree is None else tree.label
+    kinds = [("spec", _decoder(decoders, target, drafter, int(gamma), tree))]
     if autoregressive:
         kinds.insert(0, ("ar", _decoder(decoders, target, None, 0)))
-    results, times = _interleaved_runs(kinds, prompts, settings, repeats, f"speedup γ={gamma}", progress)
-    spec, spec_tokens = _summarise(prompts, results["spec"], times["spec"], f"speculative γ={gamma}")
+    results, times = _interleaved_runs(kinds, prompts, settings, repeats, f"speedup {what}", progress)
+    spec, spec_tokens = _summarise(prompts, results["spec"], times["spec"], f"speculative {what}")
     out = {"gamma": int(gamma), "spec": spec, "tokens": spec_tokens, "repeats": int(repeats)}
+    if tree is not None:
+        out["tree"] = tree.label
     if autoregressive:
         ar, ar_tokens = _summarise(prompts, results["ar"], times["ar"], "autoregressive")
         out["ar"] = ar
@@ -124,11 +132,12 @@ def measure_speedup(
     return out
 
 
-def _decoder(decoders: dict, target, drafter, gamma: int) -> Decoder:
-    """The cached Decoder of (target, drafter, γ) in ``decoders`` (made on first use)."""
-    k = (id(target), id(drafter), gamma)
+def _decoder(decoders: dict, target, drafter, gamma: int, tree=None) -> Decoder:
+    """The cached Decoder of (target, drafter, γ, tree shape or ``None``) in ``decoders`` (made on first use)."""
+    k = (id(target), id(drafter), gamma, tree)
     if k not in decoders:
-        decoders[k] = Decoder(target, drafter, gamma)
+        kw = {} if tree is None else dict(tree_nodes=tree.nodes, tree_depth=tree.depth, tree_topk=tree.topk)
+        decoders[k] = Decoder(target, drafter, gamma, **kw)
     return decoders[k]
 
 
