@@ -117,6 +117,20 @@ def test_bench_table_no_chat(tiny_dir, tmp_path, capsys, monkeypatch):
     assert "| ar |" in out and "| coding |" in out
 
 
+def test_bench_prompt_text_and_progress_lines(tiny_dir, capsys, monkeypatch):
+    """``--prompt TEXT`` (repeatable) instead of a file; without a terminal (capsys) the progress
+    is plain lines on stderr: each method's warm-up with its compile time and the timed batches."""
+    monkeypatch.setenv("SPECJAX_NO_CACHE", "1")
+    rc, out, err = _run(["bench", "--prompt", "w3 w4 w5", "--prompt", "w6 w7", "--model", tiny_dir, "--batch-size", "1",
+                         "--draft", "ngram", "--gamma", "2", "--max-new-tokens", "4", "--no-chat"], capsys)
+    assert rc == 0, err
+    assert "| cli |" in out and "ngram:3@γ2" in out
+    assert "warm-up ar: compile" in err and "warm-up ngram:3@γ2: compile" in err
+    assert "batch 2/2 timed (2 methods)" in err
+    rc, out, err = _run(["bench", "--model", tiny_dir], capsys)
+    assert rc == 2 and err.count("\n") == 1 and "--prompts FILE" in err and "--prompt TEXT" in err
+
+
 @pytest.mark.parametrize("lines, where", [
     (['{"prompt": "w3 w4"}', '{not json'], ":2:"),
     (['{"prompt": "w3 w4"}', '', '{"category": "qa"}'], ":3:"),

@@ -27,8 +27,10 @@ def register_cli(subparsers) -> None:
         ),
         conflict_handler="resolve",
     )
-    p.add_argument("--prompts", metavar="FILE", required=True,
+    p.add_argument("--prompts", metavar="FILE", default=None,
                    help="JSONL: 'prompt' or Spec-Bench 'turns' (first turn used) + optional 'category', 'question_id'")
+    p.add_argument("--prompt", action="append", metavar="TEXT",
+                   help="a prompt text (repeatable; category 'cli'); with or instead of --prompts")
     p.add_argument("--categories", nargs="+", default=None, metavar="C",
                    help="categories to keep (space- or comma-separated; default: all)")
     p.add_argument("--limit", type=int, default=None, metavar="N", help="at most N prompts per category (file order)")
@@ -53,9 +55,11 @@ def register_cli(subparsers) -> None:
 
 def cmd_bench(args) -> int:
     from specjax.api import load_pair_config
-    from specjax.io.prompts import read_prompts
+    from specjax.cli.common import collect_prompts
     from specjax.runtime.settings import DecodeSettings
 
+    if not args.prompts and not args.prompt:
+        raise UsageError("no prompts; pass --prompts FILE (JSONL, e.g. Spec-Bench question.jsonl) or --prompt TEXT")
     check_out_path(args.out, args.force)
     if args.warmup < 0:
         raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
@@ -85,7 +89,7 @@ def cmd_bench(args) -> int:
             raise UsageError("--gamma auto is not supported by bench; give the values to compare, e.g. --gamma 3 4 5")
         gammas.append(v)
 
-    prompts = select_prompts(filter_split(read_prompts(args.prompts), args.split), args.categories, args.limit)
+    prompts = select_prompts(filter_split(collect_prompts(args), args.split), args.categories, args.limit)
     check_writable(args.out)  # before the benchmark runs, not after
     if "auto" in dtypes:  # the fastest format on this host (a one-token step; measured once, cached)
         from specjax.runtime.progress import Progress
@@ -101,7 +105,7 @@ def cmd_bench(args) -> int:
         dtypes=dtypes, draft_dtype=draft_dtype,
         chat=chat, warmup=args.warmup, mesh=args.mesh, progress=not args.no_progress,
     )
-    results["config"]["prompts_file"] = os.path.abspath(args.prompts)
+    results["config"]["prompts_file"] = os.path.abspath(args.prompts) if args.prompts else None
     results["config"]["categories"] = split_categories(args.categories)
     results["config"]["limit"] = args.limit
     if args.out:

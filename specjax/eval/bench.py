@@ -444,6 +444,8 @@ def run_bench(
     bar = tqdm(total=len(run.batches) * len(dtypes) * (1 + len(drafts) * (len(gammas) + len(trees))), desc="bench",
                unit="batch",
                file=sys.stderr, disable=None if progress else True, dynamic_ncols=True)
+    if progress and bar.disable:  # not a terminal (a log, a pipe, a notebook cell): plain lines instead
+        run.say, run.t0 = log, t_all
     try:
         for dtype in dtypes:
             log(f"specjax bench: loading target ({dtype})")
@@ -477,6 +479,12 @@ class _Run:
         self.prompt_records: list[dict] = []
         self.weight_bytes: dict[str, dict] = {}
         self.model_name = None
+        self.say = None  # progress lines where there is no bar: ``say(msg)``
+        self.t0 = time.perf_counter()
+
+    def _say(self, msg: str) -> None:
+        if self.say is not None:
+            self.say(f"specjax bench: {msg} ({time.perf_counter() - self.t0:.0f} s elapsed)")
 
     def bench_dtype(self, model, dtype, ddtype, drafts, gammas, trees, multi, chat, warmup, mesh, bar) -> None:
         """Load the target in ``dtype``, then warm up and time every method on every batch."""
@@ -493,8 +501,13 @@ class _Run:
                 res, wall = self._generate(dec, ids, 0)
                 s.compile_s += res.compile_s
                 s.warmup_s += max(0.0, wall - res.compile_s)
-        for bi in range(len(self.batches)):  # timed: methods interleaved per batch
+            if warmup > 0:
+                self._say(f"warm-up {s.name}: compile {s.compile_s:.1f} s, first batch {s.warmup_s:.1f} s")
+        n = len(self.batches)
+        for bi in range(n):  # timed: methods interleaved per batch
             self._timed_batch(methods, ids, bi, bar)
+            if bi + 1 == n or (bi + 1) % max(1, n // 10) == 0:
+                self._say(f"{dtype}: batch {bi + 1}/{n} timed ({len(methods)} methods)")
 
     def _methods(self, target, dtype, ddtype, drafts, gammas, trees, multi, mesh) -> list[tuple[MethodSpec, Any, int]]:
         """``(spec, decoder, drafter forward steps per round)`` of ``ar`` and every drafter × (γ and tree)."""
