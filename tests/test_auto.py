@@ -490,3 +490,35 @@ def test_alpha_continuation_stays_inside_the_context():
     _, rep = measure.recommend(target, drafter, [{"ids": ids}], DecodeSettings(max_new_tokens=50, ignore_eos=True),
                                gamma_max=1, timing_repeats=1)
     assert rep["positions"] <= 3
+
+
+def test_dtype_auto_predicts_for_the_default_model_on_a_measured_host_kind(tmp_path, monkeypatch):
+    """``predict=True`` (generate): the default model on an x86 CPU with AVX2 takes int8 without a
+    measurement; other hosts and other models measure; a cached measurement wins over the rule."""
+    from specjax.eval import hostcache
+
+    x86 = {"backend": "cpu", "machine": "x86_64", "cpu_flags": ["avx", "avx2"]}
+    assert measure.predicted_format(["float32", "bfloat16", "int8"], "default", x86)[0] == "int8"
+    assert measure.predicted_format(["float32", "bfloat16", "int8"], None, dict(x86, cpu_flags=["avx"])) is None
+    assert measure.predicted_format(["float32", "bfloat16", "int8"], None, dict(x86, backend="gpu")) is None
+    assert measure.predicted_format(["float32", "bfloat16", "int8"], None, dict(x86, machine="aarch64")) is None
+    assert measure.predicted_format(["float32", "int8"], "some/other-model", x86) is None
+    assert measure.predicted_format(["float32", "bfloat16"], None, x86) is None
+
+    monkeypatch.setattr(hostcache, "host_fingerprint", lambda: dict(x86))
+    calls = fake_steps(monkeypatch, {"float32": 10.0, "bfloat16": 20.0, "int8": 30.0})
+    monkeypatch.setattr(measure, "_cached_or_measured", lambda *a, **k: ({"step_ms": {"float32": 10.0,
+                        "bfloat16": 20.0, "int8": 30.0}}, {"cached": True, "created": "then", "seconds": 1.0,
+                                                          "path": "p"}))
+    cache = HostCache(str(tmp_path / "cache"))
+    fmt, info, model = measure.fastest_format("default", cache=cache, predict=True)
+    assert (fmt, model, info["step_ms"]) == ("int8", None, {}) and "predicted" in info["source"]["predicted"]
+    assert not calls
+    from specjax.cli.common import auto_dtype_line
+
+    assert "--dtype auto chose int8 (predicted" in auto_dtype_line(fmt, info)
+    # a measurement in the cache wins over the rule
+    monkeypatch.setattr(HostCache, "get", lambda self, kind, p: {"value": {}, "created": "then", "seconds": 1.0,
+                                                                 "path": "p"})
+    fmt, info, _ = measure.fastest_format("default", cache=cache, predict=True)
+    assert fmt == "float32" and info["source"]["cached"] and "predicted" not in info["source"]

@@ -95,7 +95,7 @@ def cmd_bench(args) -> int:
         from specjax.runtime.progress import Progress
 
         auto = {"model": s["model"], "dtype": "auto", "draft_dtype": "float32"}
-        resolve_auto_dtype(auto, None if args.no_progress else Progress())
+        resolve_auto_dtype(auto, None if args.no_progress else Progress(), predict=False)
         dtypes = list(dict.fromkeys(auto["dtype"] if d == "auto" else d for d in dtypes))
     settings = DecodeSettings(max_new_tokens=s["max_new_tokens"], temperature=s["temperature"], top_k=s["top_k"],
                               top_p=s["top_p"], seed=args.seed, batch_size=args.batch_size,

@@ -317,10 +317,11 @@ def collect_prompts(args) -> list[dict]:
     return prompts
 
 
-def resolve_auto_dtype(s: dict, progress=None, tokens: int = 1, mesh=None):
+def resolve_auto_dtype(s: dict, progress=None, tokens: int = 1, mesh=None, predict: bool = True):
     """Replace ``s["dtype"] == "auto"`` by the weight format with the fastest target decode step
     on this host (:func:`specjax.eval.measure.fastest_format`: measured once, then read from the
-    measurement cache), and a drafter format that follows it (not given) by the same; one
+    measurement cache; with ``predict``, hosts of a kind with a measured winner take it without
+    measuring, unless a measurement is cached), and a drafter format that follows it (not given) by the same; one
     ``specjax: note:`` line says which format and why. ``tokens``: new tokens per target call
     (1, or γ + 1 when speculating). Returns the target loaded (in that format) for the
     measurement, or ``None`` (cached, or a mesh: load it as usual).
@@ -334,7 +335,7 @@ def resolve_auto_dtype(s: dict, progress=None, tokens: int = 1, mesh=None):
         return None
     follow = s.get("draft_dtype") in (None, "auto")
     fmt, info, model = measure.fastest_format(s["model"], tokens=tokens, cache=hostcache.default_cache(),
-                                              progress=progress)
+                                              progress=progress, predict=predict)
     s["dtype"] = fmt
     if follow:
         s["draft_dtype"] = fmt
@@ -344,8 +345,11 @@ def resolve_auto_dtype(s: dict, progress=None, tokens: int = 1, mesh=None):
 
 def auto_dtype_line(fmt: str, info: dict) -> str:
     """``--dtype auto``'s one line: the chosen format, the step time of each, measured or cached."""
-    ms = ", ".join(f"{f} {t:.1f} ms" for f, t in info["step_ms"].items())
     src = info["source"]
+    if src.get("predicted"):
+        return (f"--dtype auto chose {fmt} ({src['predicted']}; `specjax bench --dtype auto` measures this "
+                "host and later runs use the measurement)")
+    ms = ", ".join(f"{f} {t:.1f} ms" for f, t in info["step_ms"].items())
     if src["cached"]:
         how = f"cached, measured {src['created']}"
     else:

@@ -999,8 +999,35 @@ def recommend_gamma(target, drafter, prompt_texts: Sequence[str], chat: bool = F
     return recommend(target, drafter, list(prompt_texts), chat=chat, gamma_max=gamma_max, **kw)[0]
 
 
+# Hosts on which the fastest target step has been measured, and the winner (PERFORMANCE-NOTES.md,
+# BENCHMARKS.md "Issue 17"; default model, batch 1, one-token step, float32 / int8 ms):
+#   AVX2 only (no AVX-512, no VNNI):               int8 42 vs float32 47
+#   AVX-512 with VNNI and bf16 (AMD EPYC, 2 cores): int8 10.7–13.9 vs float32 15–21 (bfloat16 ≈ float32)
+# int8 won on every x86 CPU measured. Only for the default model (the one measured); nothing is
+# predicted for other models, other CPUs or GPU/TPU: those measure.
+PREDICTED_FORMATS = (("cpu", "x86_64", "avx2", "int8"),)
+
+
+def predicted_format(formats: Sequence[str], model=None, host: dict | None = None) -> tuple[str, str] | None:
+    """``(format, reason)`` when ``model`` is the default model (``None``/``"default"``) and this
+    host's kind has a measured winner among ``formats`` (:data:`PREDICTED_FORMATS`: JAX backend,
+    machine, a required CPU flag), else ``None``.
+
+    ``host``: :func:`specjax.eval.hostcache.host_fingerprint` (computed when ``None``)."""
+    from specjax.eval.hostcache import host_fingerprint
+
+    if model not in (None, "default"):
+        return None
+    host = host_fingerprint() if host is None else host
+    for backend, machine, flag, fmt in PREDICTED_FORMATS:
+        if (host.get("backend") == backend and host.get("machine") == machine and flag in host.get("cpu_flags", ())
+                and fmt in formats):
+            return fmt, f"predicted: {fmt} had the fastest step on every {machine} CPU with {flag} measured"
+    return None
+
+
 def fastest_format(model, *, formats: Sequence[str] = llama.WEIGHT_FORMATS, tokens: int = 1, cache=None,
-                   progress=None, repeats: int = 7, warmup: int = 2) -> tuple[str, dict, Any]:
+                   progress=None, repeats: int = 7, warmup: int = 2, predict: bool = False) -> tuple[str, dict, Any]:
     """The weight format whose target decode step is fastest on this host (``--dtype auto``).
 
     Each format's step is one target call of ``tokens`` new tokens (1: an autoregressive
@@ -1018,10 +1045,13 @@ def fastest_format(model, *, formats: Sequence[str] = llama.WEIGHT_FORMATS, toke
       cache: a :class:`specjax.eval.hostcache.HostCache` (keyed by host, the checkpoint's
         :func:`~specjax.io.loading.source_identity` or the model's fingerprint, formats,
         ``tokens``, shape and repeats), or ``None``.
+      predict: without a cached measurement, take :func:`predicted_format` for the default model on
+        a host kind with a measured winner (no measurement, nothing cached); measure otherwise.
     Returns:
-      ``(format, info, model_or_None)``: info holds ``step_ms`` ``{format: ms}``, ``tokens``,
-      ``source`` (``cached``, ``created``, ``seconds``, ``path``); the model in the chosen
-      format when it was loaded for the measurement, else ``None`` (cached: load it yourself).
+      ``(format, info, model_or_None)``: info holds ``step_ms`` ``{format: ms}`` (empty when
+      predicted), ``tokens``, ``source`` (``cached``, ``created``, ``seconds``, ``path``, and
+      ``predicted``: the reason, when predicted); the model in the chosen format when it was
+      loaded for the measurement, else ``None`` (cached or predicted: load it yourself).
     Raises:
       ValueError: an unknown or empty list of formats, ``tokens < 1``.
       CheckpointError: the checkpoint cannot be loaded.
@@ -1038,6 +1068,13 @@ def fastest_format(model, *, formats: Sequence[str] = llama.WEIGHT_FORMATS, toke
     loaded = not (model is None or isinstance(model, str))
     ident = model_fingerprint(model) if loaded else source_identity(model)
     box = {}
+    parts = {"model": ident, "formats": formats, "tokens": tokens, "shape": list(FORMAT_SHAPE),
+             "repeats": int(repeats)}
+    if predict and (cache is None or cache.get("format", parts) is None):
+        guess = predicted_format(formats, model)
+        if guess is not None:
+            src = {"cached": False, "created": None, "seconds": 0.0, "path": None, "predicted": guess[1]}
+            return guess[0], {"step_ms": {}, "tokens": tokens, "source": src}, None
 
     def measure():
         base = model if loaded else load_model(model, dtype="float32")
@@ -1052,8 +1089,7 @@ def fastest_format(model, *, formats: Sequence[str] = llama.WEIGHT_FORMATS, toke
         return {"step_ms": {fmt: med[("step", fmt)] for fmt in formats}}
 
     value, src = _cached_or_measured(
-        cache, "format", {"model": ident, "formats": formats, "tokens": tokens, "shape": list(FORMAT_SHAPE),
-                          "repeats": int(repeats)}, measure, progress,
+        cache, "format", parts, measure, progress,
         ("" if loaded else f"loading {'the default model' if model in (None, 'default') else model} in float32, then ")
         + f"measuring its decode step ({tokens} token{'s' if tokens > 1 else ''} per call) in {', '.join(formats)} "
         "for --dtype auto")
