@@ -105,7 +105,7 @@ def tiny_model(fmt: str):
 
 
 def _named_leaves(params) -> dict:
-    """``{("layers", 0, "wq"): array, ("embed",): array, ...}`` of a parameter pytree."""
+    """``{("layers", 0, "w_qkv"): array, ("embed",): array, ...}`` of a parameter pytree."""
     out = {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         key = tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path
@@ -165,14 +165,16 @@ def _blocks(graphdef, cfg, params, cache, tokens, positions):
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _matmuls(graphdef, cfg, params, x):
     """(d): every per-layer projection matmul through ``llama.matmul`` (each fed the latest
-    output of its input width, so they run in a chain as in the model), then the head."""
+    output of its input width, so they run in a chain as in the model), then the head. A fused
+    weight (``[in, *out]``) is one matmul; its output is flattened to ``prod(out)`` columns."""
     latest = {x.shape[-1]: x}
     for _, w, scale, transposed in _layer_matmuls(params):
-        k_in, n_out = (w.shape[1], w.shape[0]) if transposed else (w.shape[0], w.shape[1])
+        k_in, n_out = (w.shape[1], w.shape[0]) if transposed else (w.shape[0], int(np.prod(w.shape[1:])))
         inp = latest.get(k_in)
         if inp is None:
             inp = _fit(x, k_in)
-        latest[n_out] = jnp.tanh(llama.matmul(inp, w, scale, transposed=transposed))  # bounded values
+        y = llama.matmul(inp, w, scale, transposed=transposed)
+        latest[n_out] = jnp.tanh(y.reshape(*inp.shape[:-1], n_out))  # bounded values
     h = _fit(latest[x.shape[-1]], cfg.hidden_size)
     return jnp.argmax(llama.lm_head(graphdef, params, h, cfg), axis=-1)
 
