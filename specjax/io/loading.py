@@ -164,8 +164,8 @@ _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 def _hf_tensor_path(name: str, cfg: ModelConfig, names: dict | None = None):
     """Map a HF tensor name to ``(specjax path, transpose)`` by the weight table
     (:data:`specjax.models.weights.WEIGHTS`; a part of a fused weight at the part's path);
-    ``None`` for tensors to skip (RoPE buffers, the
-    copy of a tied head). ``names``: ``llama.checkpoint_names(cfg, "hf")`` if already built.
+    ``None`` for tensors to skip (RoPE buffers, the copy of a tied head). ``names``:
+    ``llama.checkpoint_names(cfg, "hf")`` if already built.
 
     Raises:
       CheckpointError: a name the table does not have for this config.
