@@ -306,3 +306,25 @@ def test_fused_weights_split_into_the_checkpoint_tensors():
     keys = iter(jax.random.split(jax.random.PRNGKey(0), 3))
     parts = [0.02 * jax.random.normal(next(keys), t.shape(cfg)) for t in spec.parts]
     np.testing.assert_array_equal(np.asarray(init), np.asarray(llama.fuse(spec, cfg, parts)))
+
+
+def test_drafter_file_keeps_the_split_names_bitwise(tmp_path):
+    """An EAGLE drafter's file holds the block's parts (``layer.wq`` …, ``layer.w_up``) as every
+    drafter file so far; saving what was loaded writes the same bytes (the parts are contiguous:
+    ``safetensors`` writes a strided view's raw buffer)."""
+    from safetensors.numpy import load_file
+
+    target = tiny_model(4)
+    cfg = eagle.EagleConfig.for_target(target.config, 32, 48)
+    tp = eagle.init_params(cfg, 6)
+    eagle.save_drafter(str(tmp_path / "a"), cfg, tp, np.arange(32), target)
+    first = load_file(str(tmp_path / "a" / "model.safetensors"))
+    assert {"layer.wq", "layer.wk", "layer.wv", "layer.w_gate", "layer.w_up"} <= set(first)
+    gate_up = np.asarray(tp["layer"]["w_gate_up"])
+    np.testing.assert_array_equal(first["layer.w_up"], gate_up[:, 1])
+    d = eagle.load_drafter(str(tmp_path / "a"), target)
+    eagle.save_drafter(str(tmp_path / "b"), cfg, d.params["train"], np.arange(32), target)
+    second = load_file(str(tmp_path / "b" / "model.safetensors"))
+    assert set(first) == set(second)
+    for k in first:
+        np.testing.assert_array_equal(first[k], second[k], err_msg=k)

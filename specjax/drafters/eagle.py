@@ -530,7 +530,7 @@ def flat_trainable(tp: dict, cfg: EagleConfig) -> dict[str, np.ndarray]:
     for spec in block_weights():
         for t, a in weights.split(spec, cfg.layer, np.asarray(tp["layer"][spec.name])):
             out[f"layer.{t.name}"] = a
-    return {k: np.asarray(v) for k, v in out.items()}
+    return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 
 def unflat_trainable(flat: dict, cfg: EagleConfig) -> dict:

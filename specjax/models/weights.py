@@ -287,7 +287,8 @@ def fuse(spec: WeightSpec, cfg: ModelConfig, arrays):
 def split(spec: WeightSpec, cfg: ModelConfig, arr) -> list:
     """``[(tensor, array)]``: the checkpoint tensors of a stored weight ``arr`` (the inverse of
     :func:`fuse`: each part sliced out of ``concat_axis`` and reshaped to its ``shape``), or
-    ``[(spec, arr)]`` for a weight without parts."""
+    ``[(spec, arr)]`` for a weight without parts. numpy parts are C-contiguous copies (a strided
+    view would be written wrongly by ``safetensors.numpy.save_file``, which copies raw bytes)."""
     if not spec.parts:
         return [(spec, arr)]
     out, start = [], 0
@@ -295,7 +296,8 @@ def split(spec: WeightSpec, cfg: ModelConfig, arr) -> list:
         n = p.view(cfg)[spec.concat_axis]
         idx = [slice(None)] * arr.ndim
         idx[spec.concat_axis] = slice(start, start + n)
-        out.append((p, arr[tuple(idx)].reshape(p.shape(cfg))))
+        part = arr[tuple(idx)].reshape(p.shape(cfg))
+        out.append((p, np.ascontiguousarray(part) if isinstance(part, np.ndarray) else part))
         start += n
     return out
 
