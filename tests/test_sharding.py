@@ -72,7 +72,8 @@ def test_rules_replicate_what_does_not_divide():
         assert any("attention heads (9" in n for n in notes) and any("KV heads (3" in n for n in notes)
     mesh3 = AbstractMesh((1, 3), ("data", "model"))
     assert sharding.replication_notes(cfg, 3) == []
-    assert tuple(sharding.param_spec(("layers", 1, "w_qkv"), (576, 3, 5, 64), cfg, mesh3)) == (None, "model", None, None)
+    qkv = sharding.param_spec(("layers", 1, "w_qkv"), (576, 3, 5, 64), cfg, mesh3)
+    assert tuple(qkv) == (None, "model", None, None)
     assert tuple(sharding.param_spec(("layers", 1, "w_qkv_scale"), (3, 5, 64), cfg, mesh3)) == ("model", None, None)
     assert tuple(sharding.param_spec(("layers", 1, "wo"), (576, 576), cfg, mesh3)) == ("model", None)
     assert tuple(sharding.cache_spec(cfg, mesh3)) == ("data", "model", None, None)

@@ -238,7 +238,8 @@ def quantize_params(params: dict) -> dict:
     """The ``int8`` weight format of a drafter's ``{"train", "frozen"}`` parameters.
 
     ``fc``, the block's four matrices (``w_qkv``, ``wo``, ``w_gate_up``, ``w_down``, stored
-    ``[in, *out]``) and the sub-vocabulary head (``[|S|, D]``) become symmetric per-output-channel int8 with a float32 ``<name>_scale``
+    ``[in, *out]``) and the sub-vocabulary head (``[|S|, D]``) become symmetric
+    per-output-channel int8 with a float32 ``<name>_scale``
     (:func:`specjax.models.llama.quantize_int8`); activations are quantized per row on the
     fly (:func:`specjax.models.llama.matmul`). Norms, biases, the copy term and the
     embedding used for input lookups stay float32. It lets the drafter run in an int8
@@ -607,7 +608,8 @@ def load_drafter(path, target, dtype: str = "float32", name: str = "eagle", chec
     c = meta["config"]
     cfg = EagleConfig.for_target(target.config, c["sub_vocab"], c["intermediate_size"], c["num_heads"], c["num_kv_heads"],
                                  c.get("copy_ngram", 0))
-    tp = unflat_trainable({k: np.asarray(v, np.float32) for k, v in tensors.items() if k != "sub_ids"}, cfg)
+    tp = unflat_trainable({k: np.asarray(v, np.float32) for k, v in tensors.items() if k != "sub_ids"},
+                          cfg)
     if cfg.copy_ngram and not set(COPY_KEYS) <= set(tp):
         raise CheckpointError(f"{path}: drafter.json sets copy_ngram = {cfg.copy_ngram} but the weights have no "
                               "copy_w/copy_b; the directory is incomplete or mixed")

@@ -322,8 +322,8 @@ def quantize_int8(w, axis: int):
 
 def init_weight(spec: WeightSpec, cfg: ModelConfig, next_key: Callable[[], jax.Array] | None = None) -> jax.Array:
     """A float32 weight of ``spec.shape(cfg)`` initialised per ``spec.init``: N(0, 0.02), one
-    key from ``next_key()`` per checkpoint tensor (each part drawn in its own shape, then
-    :func:`fuse` d: the values a split layout with the same keys would have); or all ones / zeros.
+    key from ``next_key()`` per checkpoint tensor (each part drawn in its own shape, then fused
+    by :func:`fuse`: the values the split layout had with the same keys); or all ones / zeros.
 
     Raises:
       ValueError: an unknown ``spec.init``.
