@@ -12,8 +12,9 @@ in milliseconds:
                head) and the argmax;
   (c) blocks   the decoder blocks and final norm alone: ``llama.forward``;
   (d) matmuls  the projection matmuls + the head alone: every per-layer matmul weight of the
-               parameter pytree (``llama.matmul_weights()``) through ``llama.matmul``, chained,
-               then ``llama.lm_head`` — no attention, no cache, no norms;
+               parameter pytree (``llama.matmul_weights()``; a fused weight is one matmul)
+               through ``llama.matmul``, chained (each fed the previous output, cut or
+               zero-padded), then ``llama.lm_head`` — no attention, no cache, no norms;
   (e) floor    weight bytes of the format ÷ the bandwidth of one large float32 matvec over as
                many bytes as the float32 weights (the memory-bound floor of one step);
   (f) v(T)     the verification cost: one target call over T = 2, 4, 8 tokens ÷ the call over
@@ -105,7 +106,7 @@ def tiny_model(fmt: str):
 
 
 def _named_leaves(params) -> dict:
-    """``{("layers", 0, "wq"): array, ("embed",): array, ...}`` of a parameter pytree."""
+    """``{("layers", 0, "w_qkv"): array, ("embed",): array, ...}`` of a parameter pytree."""
     out = {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         key = tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path
@@ -164,16 +165,17 @@ def _blocks(graphdef, cfg, params, cache, tokens, positions):
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _matmuls(graphdef, cfg, params, x):
-    """(d): every per-layer projection matmul through ``llama.matmul`` (each fed the latest
-    output of its input width, so they run in a chain as in the model), then the head."""
-    latest = {x.shape[-1]: x}
+    """(d): every per-layer projection matmul through ``llama.matmul``, in one chain: each is fed
+    the previous one's output, cut or zero-padded to its input width, so every matmul is live
+    whatever the layout (a matmul whose output nothing reads would be removed by XLA), then the
+    head. A fused weight (``[in, *out]``) is one matmul; its output is flattened to ``prod(out)``
+    columns."""
+    y = x
     for _, w, scale, transposed in _layer_matmuls(params):
-        k_in, n_out = (w.shape[1], w.shape[0]) if transposed else (w.shape[0], w.shape[1])
-        inp = latest.get(k_in)
-        if inp is None:
-            inp = _fit(x, k_in)
-        latest[n_out] = jnp.tanh(llama.matmul(inp, w, scale, transposed=transposed))  # bounded values
-    h = _fit(latest[x.shape[-1]], cfg.hidden_size)
+        k_in, n_out = (w.shape[1], w.shape[0]) if transposed else (w.shape[0], int(np.prod(w.shape[1:])))
+        inp = _fit(y, k_in)
+        y = jnp.tanh(llama.matmul(inp, w, scale, transposed=transposed).reshape(*inp.shape[:-1], n_out))  # bounded
+    h = _fit(y, cfg.hidden_size)
     return jnp.argmax(llama.lm_head(graphdef, params, h, cfg), axis=-1)
 
 

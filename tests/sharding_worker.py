@@ -96,7 +96,7 @@ def compare(label, got, want, prompts, ref_model, greedy=True):
 def param_specs(params):
     pure = {}
     layer0 = params["layers"][0]
-    for k in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "attn_norm"):
+    for k in ("w_qkv", "wo", "w_gate_up", "w_down", "attn_norm"):
         pure[k] = spec_str(layer0[k][...])
     for k in ("embed", "lm_head", "final_norm"):
         if k in params:

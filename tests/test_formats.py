@@ -44,7 +44,7 @@ def test_parameter_dtypes(fmt):
         else:
             assert base in llama.matmul_weights() and x.dtype == jnp.int8, name
     if fmt == "int8":
-        assert "embed_scale" in leaves and "layers.0.wq_scale" in leaves
+        assert "embed_scale" in leaves and "layers.0.w_qkv_scale" in leaves
 
 
 def test_int8_quantization_roundtrip_is_idempotent():

@@ -403,7 +403,7 @@ def test_save_load_round_trip(tmp_path, kw):
     m = tiny_model(seed=13, **kw)
     if m.config.attention_bias:  # non-zero biases, so a dropped bias would show
         for layer in m.params["layers"].values():
-            for k in ("bq", "bk", "bv", "bo"):
+            for k in ("b_qkv", "bo"):
                 if k in layer:
                     layer[k][...] = jax.random.normal(jax.random.PRNGKey(len(k)), layer[k][...].shape) * 0.3
     path = save_model(m, str(tmp_path / "saved"))
@@ -424,8 +424,8 @@ def test_truncate_and_round_trip_with_tokenizer(default_model, tmp_path):
     tr = truncate_model(default_model, 1)
     assert tr.config.num_layers == 1 and len(tr.params["layers"]) == 1
     assert tr.tokenizer is default_model.tokenizer
-    np.testing.assert_array_equal(np.asarray(tr.params["layers"][0]["wq"][...]),
-                                  np.asarray(default_model.params["layers"][0]["wq"][...]))
+    np.testing.assert_array_equal(np.asarray(tr.params["layers"][0]["w_qkv"][...]),
+                                  np.asarray(default_model.params["layers"][0]["w_qkv"][...]))
     path = save_model(tr, str(tmp_path / "first1"))
     back = load_model(path)
     assert back.config == tr.config

@@ -122,7 +122,8 @@ def test_parity_with_transformers(hf_checkpoint):
     assert cfg.attention_bias == has_qkv_bias
     assert cfg.attention_out_bias == (name == "llama-tied-bias")
     if has_qkv_bias:  # the biases are really there, non-zero, and loaded
-        bq = np.asarray(m.params["layers"][0]["bq"][...])
+        b_qkv = np.asarray(m.params["layers"][0]["b_qkv"][...])
+        bq = dict((t.name, a) for t, a in llama.split(llama.weight_spec("b_qkv"), cfg, b_qkv))["bq"]
         ref = hf.model.layers[0].self_attn.q_proj.bias.detach().numpy()
         assert np.abs(ref).min() > 0 and np.abs(bq).max() > 0.05
         np.testing.assert_array_equal(bq, ref)

@@ -60,11 +60,10 @@ def test_rules_replicate_what_does_not_divide():
     for m in (2, 4, 8):
         mesh = AbstractMesh((8 // m, m), ("data", "model"))
         spec = lambda name, shape: tuple(sharding.param_spec(("layers", 0, name), shape, cfg, mesh))  # noqa: E731
-        hq, hkv = 9 * 64, 3 * 64
-        assert spec("wq", (576, hq)) == (None, None)
-        assert spec("wk", (576, hkv)) == (None, None)
+        hq = 9 * 64
+        assert spec("w_qkv", (576, 3, 5, 64)) == (None, None, None, None)  # 3 KV groups of 3 queries + k + v
         assert spec("wo", (hq, 576)) == (None, None)
-        assert spec("w_gate", (576, 1536)) == (None, "model")
+        assert spec("w_gate_up", (576, 2, 1536)) == (None, None, "model")
         assert spec("w_down", (1536, 576)) == ("model", None)
         assert spec("attn_norm", (576,)) == (None,)
         assert tuple(sharding.param_spec(("embed",), (49152, 576), cfg, mesh)) == ("model", None)
@@ -73,8 +72,10 @@ def test_rules_replicate_what_does_not_divide():
         assert any("attention heads (9" in n for n in notes) and any("KV heads (3" in n for n in notes)
     mesh3 = AbstractMesh((1, 3), ("data", "model"))
     assert sharding.replication_notes(cfg, 3) == []
-    assert tuple(sharding.param_spec(("layers", 1, "wq"), (576, 576), cfg, mesh3)) == (None, "model")
-    assert tuple(sharding.param_spec(("layers", 1, "wv"), (576, 192), cfg, mesh3)) == (None, "model")
+    qkv = sharding.param_spec(("layers", 1, "w_qkv"), (576, 3, 5, 64), cfg, mesh3)
+    assert tuple(qkv) == (None, "model", None, None)
+    assert tuple(sharding.param_spec(("layers", 1, "w_qkv_scale"), (3, 5, 64), cfg, mesh3)) == ("model", None, None)
+    assert tuple(sharding.param_spec(("layers", 1, "wo"), (576, 576), cfg, mesh3)) == ("model", None)
     assert tuple(sharding.cache_spec(cfg, mesh3)) == ("data", "model", None, None)
     # unknown names and ranks are replicated
     assert tuple(sharding.param_spec(("layers", 0, "w_scale"), (7,), cfg, mesh3)) == (None,)
@@ -180,17 +181,17 @@ def test_tiny_mesh_layouts(workers):
     m, d, n = "model", "data", None
     for mesh in ("1x1", "8x1", "2x4", "1x8"):
         t, dr = s[mesh]["target"], s[mesh]["drafter"]
-        assert t["wq"] == [n, m] and t["wo"] == [m, n], mesh
-        assert t["w_gate"] == t["w_up"] == [n, m] and t["w_down"] == [m, n], mesh
+        assert t["wo"] == [m, n], mesh
+        assert t["w_gate_up"] == [n, n, m] and t["w_down"] == [m, n], mesh
         assert t["embed"] == [m, n] and t["lm_head"] == [n, m], mesh  # vocab 128 divides
         assert t["attn_norm"] == [n] and t["final_norm"] == [n], mesh
         assert s[mesh]["tokens"] == [d, n] and s[mesh]["keys"] == [d, n], mesh
         assert s[mesh]["batch"] == 8 and s[mesh]["auto_mesh"], mesh
         kv_ok = mesh in ("1x1", "8x1")  # target: 2 KV heads
-        assert t["wk"] == t["wv"] == ([n, m] if kv_ok else [n, n]), mesh
+        assert t["w_qkv"] == [n, m if kv_ok else n, n, n], mesh  # whole KV groups (queries, key, value)
         assert s[mesh]["target_cache_k"] == s[mesh]["target_cache_v"] == [d, m if kv_ok else n, n, n], mesh
         d_ok = mesh != "1x8"  # drafter: 4 heads, 4 KV heads, its own rules
-        assert dr["wq"] == dr["wk"] == ([n, m] if d_ok else [n, n]), mesh
+        assert dr["w_qkv"] == [n, m if d_ok else n, n, n], mesh
         assert dr["wo"] == ([m, n] if d_ok else [n, n]), mesh
         assert s[mesh]["drafter_cache_k"] == [d, m if d_ok else n, n, n], mesh
 
@@ -203,7 +204,7 @@ def test_default_model_on_1x3(workers):
     assert not r["fails"], json.dumps(r["fails"])
     assert r["auto_mesh"]  # Decoder(model) picked up the mesh of the sharded parameters
     sp = r["specs"]
-    assert sp["wq"] == sp["wk"] == sp["w_gate"] == [None, "model"]
+    assert sp["w_qkv"] == [None, "model", None, None] and sp["w_gate_up"] == [None, None, "model"]
     assert sp["wo"] == sp["w_down"] == ["model", None] and sp["embed"] == ["model", None]
     assert r["notes"]["3"] == [] and len(r["notes"]["4"]) == 2
     assert all(len(t) == 16 for t in r["tokens"])

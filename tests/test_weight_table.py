@@ -1,5 +1,5 @@
 """GATE (issue 16, "one fact, one place"): every weight is declared once, in
-``specjax.models.llama.WEIGHTS``. A weight added to that table is initialised, saved and
+``specjax.models.weights.WEIGHTS``. A weight added to that table is initialised, saved and
 loaded from safetensors AND from GGUF, sharded and int8-quantized without editing any
 other module; the EAGLE drafter runs the model's own public block function."""
 
@@ -18,7 +18,7 @@ from conftest import tiny_model
 from specjax.drafters import eagle
 from specjax.io import gguf as gguf_loader
 from specjax.io.loading import assemble_params, float_tensors, load_model, save_model
-from specjax.models import llama
+from specjax.models import llama, weights
 from specjax.runtime import sharding
 
 MESH = AbstractMesh((1, 2), ("data", "model"))
@@ -35,7 +35,7 @@ EXTRA = (
 
 @pytest.fixture
 def extra_weights(monkeypatch):
-    monkeypatch.setattr(llama, "WEIGHTS", llama.WEIGHTS + EXTRA)
+    monkeypatch.setattr(weights, "WEIGHTS", weights.WEIGHTS + EXTRA)
 
 
 def _flat(params) -> dict:
@@ -65,8 +65,8 @@ def _permute_qk(w, n_heads):
 
 
 def write_gguf(model, path: str, arch: str) -> str:
-    """``model`` as a float32 GGUF file; tensor names, transposes and the Q/K permutation
-    from the weight table (the writer side of the loader's rules)."""
+    """``model`` as a float32 GGUF file; tensor names (a fused weight's parts), transposes and the
+    Q/K permutation from the weight table (the writer side of the loader's rules)."""
     import gguf
 
     cfg = model.config
@@ -80,14 +80,14 @@ def write_gguf(model, path: str, arch: str) -> str:
     w.add_float32(f"{arch}.rope.freq_base", cfg.rope_theta)
     w.add_uint32("tokenizer.ggml.bos_token_id", cfg.bos_token_id)
     w.add_uint32("tokenizer.ggml.eos_token_id", cfg.eos_token_ids[0])
-    for p, a in float_tensors(model):
+    for p, whole in float_tensors(model):
         spec = llama.weight_spec(p[-1])
-        a = np.asarray(a, np.float32)
-        if spec.gguf_transpose:
-            a = a.T
-        if arch == "llama" and spec.gguf_permute:
-            a = _permute_qk(a, getattr(cfg, spec.gguf_permute))
-        w.add_tensor(spec.checkpoint_name("gguf", p[1] if spec.per_layer else None), np.ascontiguousarray(a))
+        for t, a in llama.split(spec, cfg, np.asarray(whole, np.float32)):
+            if t.gguf_transpose:
+                a = a.T
+            if arch == "llama" and t.gguf_permute:
+                a = _permute_qk(a, getattr(cfg, t.gguf_permute))
+            w.add_tensor(t.checkpoint_name("gguf", p[1] if spec.per_layer else None), np.ascontiguousarray(a))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -144,7 +144,7 @@ def test_table_weights_load_from_safetensors_and_gguf(tmp_path, arch, kw):
     the same weights back from a safetensors directory and from a GGUF file; int8 quantizes
     the matrices (not the biases) and every parameter is sharded by the table's axes."""
     m = tiny_model(seed=21, **kw)
-    biases = ("bq", "bk", "bv")
+    biases = ("b_qkv",)
     if m.config.attention_bias:
         m = _randomize(m, biases)
     back = load_model(save_model(m, str(tmp_path / "hf")))
@@ -156,7 +156,11 @@ def test_table_weights_load_from_safetensors_and_gguf(tmp_path, arch, kw):
 
     hf = load_file(str(tmp_path / "hf" / "model.safetensors"))
     raw = {t.name: np.asarray(t.data) for t in gguf_loader.open_gguf(str(tmp_path / "m.gguf")).tensors}
-    wq = np.asarray(m.params["layers"][0]["wq"][...])
+    parts = dict((t.name, a) for t, a in llama.split(llama.weight_spec("w_qkv"), m.config,
+                                                     np.asarray(m.params["layers"][0]["w_qkv"][...])))
+    wq = parts["wq"]
+    np.testing.assert_array_equal(hf["model.layers.0.self_attn.k_proj.weight"], parts["wk"].T)
+    np.testing.assert_array_equal(hf["model.layers.0.self_attn.v_proj.weight"], parts["wv"].T)
     np.testing.assert_array_equal(hf["model.layers.0.self_attn.q_proj.weight"], wq.T)
     np.testing.assert_array_equal(raw["blk.0.attn_q.weight"],
                                   _permute_qk(wq.T, m.config.num_heads) if arch == "llama" else wq.T)
@@ -164,12 +168,13 @@ def test_table_weights_load_from_safetensors_and_gguf(tmp_path, arch, kw):
     assert ("model.layers.1.self_attn.k_proj.bias" in hf) == ("blk.1.attn_k.bias" in raw) == m.config.attention_bias
     _same_config(cfg, m.config)
     _same_weights(m, params)
-    assert (("layers", 0, "bq") in _flat(params)) == m.config.attention_bias
+    assert (("layers", 0, "b_qkv") in _flat(params)) == m.config.attention_bias
     _, params8 = load_gguf(str(tmp_path / "m.gguf"), "int8")
     _check_int8_and_sharding(cfg, params8, quantized=llama.matmul_weights(), plain=biases + ("attn_norm",))
-    if m.config.attention_bias:
-        assert tuple(sharding.param_spec(("layers", 0, "bq"), (64,), cfg, MESH)) == ("model",)
-        assert tuple(sharding.param_spec(("layers", 0, "bk"), (16,), cfg, MESH)) == ("model",)
+    if m.config.attention_bias:  # KV groups on the model axis (2 KV heads divide 2)
+        assert tuple(sharding.param_spec(("layers", 0, "b_qkv"), (2, 6, 8), cfg, MESH)) == ("model", None, None)
+    assert tuple(sharding.param_spec(("layers", 0, "w_qkv"), (64, 2, 6, 8), cfg, MESH)) == (None, "model", None, None)
+    assert tuple(sharding.param_spec(("layers", 0, "w_gate_up"), (64, 2, 128), cfg, MESH)) == (None, None, "model")
 
 
 def test_gguf_qk_permutation_round_trip():
@@ -217,11 +222,11 @@ def test_without_the_entry_the_tensor_is_refused(tmp_path, monkeypatch):
     is refused by name (safetensors and GGUF)."""
     from specjax.models.config import CheckpointError
 
-    monkeypatch.setattr(llama, "WEIGHTS", llama.WEIGHTS + EXTRA)
+    monkeypatch.setattr(weights, "WEIGHTS", weights.WEIGHTS + EXTRA)
     m = tiny_model(seed=23)
     path = save_model(m, str(tmp_path / "hf"))
     g = write_gguf(m, str(tmp_path / "m.gguf"), "llama")
-    monkeypatch.setattr(llama, "WEIGHTS", llama.WEIGHTS[:-len(EXTRA)])
+    monkeypatch.setattr(weights, "WEIGHTS", weights.WEIGHTS[:-len(EXTRA)])
     with pytest.raises(CheckpointError, match="unexpected tensor"):
         load_model(path)
     with pytest.raises(CheckpointError, match="unexpected tensor"):
@@ -233,8 +238,8 @@ def test_eagle_block_is_the_model_block():
     """The drafter's block weights are the table's unconditional per-layer entries, and its
     forward is ``llama.decoder_block`` (a one-layer model with the drafter's block weights
     gives the same block output)."""
-    assert eagle.layer_keys() == tuple(s.name for s in llama.WEIGHTS if s.per_layer and s.when is None)
-    assert set(eagle.layer_matmuls()) == {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"}
+    assert eagle.layer_keys() == tuple(s.name for s in weights.WEIGHTS if s.per_layer and s.when is None)
+    assert set(eagle.layer_matmuls()) == {"w_qkv", "wo", "w_gate_up", "w_down"}
     target = tiny_model(4, model_type="qwen2", attention_bias=True)  # the drafter's block has no biases
     cfg = eagle.EagleConfig.for_target(target.config, 32, 48)
     tp = eagle.init_params(cfg, 6)
@@ -264,9 +269,62 @@ def test_num_params_from_the_table():
     import numpy as np
 
     from conftest import tiny_config
-    from specjax.models import llama
+    from specjax.models import llama, weights
 
     for kw in ({}, {"tie_word_embeddings": True}, {"attention_bias": True}):
         cfg = tiny_config(**kw)
         _, params = llama.init_model(cfg)
         assert llama.num_params(cfg) == sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
+
+
+def test_fused_weights_split_into_the_checkpoint_tensors():
+    """``w_qkv [D, KV, G + 2, hd]`` holds, per KV group g, query heads g·G .. g·G + G - 1, then
+    key and value head g (the checkpoints' head order); ``split`` inverts ``fuse``; one fused
+    matmul is one dot; a random init draws the parts as a split layout would."""
+    from conftest import tiny_config
+
+    cfg = tiny_config()  # H = 8, KV = 2, hd = 8
+    spec = llama.weight_spec("w_qkv")
+    d, h, kv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    rng = np.random.default_rng(0)
+    wq, wk, wv = (rng.standard_normal((d, n * hd)).astype(np.float32) for n in (h, kv, kv))
+    w = llama.fuse(spec, cfg, [wq, wk, wv])
+    assert w.shape == (d, kv, h // kv + 2, hd)
+    np.testing.assert_array_equal(w[:, 1, 2], wq[:, (1 * 4 + 2) * hd:(1 * 4 + 3) * hd])  # group 1, query 2: head 6
+    np.testing.assert_array_equal(w[:, 1, 4], wk[:, hd:2 * hd])
+    np.testing.assert_array_equal(w[:, 0, 5], wv[:, :hd])
+    assert [t.name for t, _ in llama.split(spec, cfg, w)] == ["wq", "wk", "wv"]
+    for (_, a), b in zip(llama.split(spec, cfg, w), (wq, wk, wv)):
+        np.testing.assert_array_equal(a, b)
+    x = jnp.asarray(rng.standard_normal((3, d)), jnp.float32)
+    hlo = jax.jit(lambda x, w: llama.matmul(x, w)).lower(x, jnp.asarray(w)).compile().as_text()
+    assert hlo.count(" dot(") == 1
+    np.testing.assert_allclose(np.asarray(llama.matmul(x, jnp.asarray(w)))[:, 0, :4].reshape(3, -1),
+                               np.asarray(x) @ wq[:, :4 * hd], rtol=1e-5, atol=1e-5)
+    keys = iter(jax.random.split(jax.random.PRNGKey(0), 3))
+    init = llama.init_weight(spec, cfg, lambda: next(keys))
+    keys = iter(jax.random.split(jax.random.PRNGKey(0), 3))
+    parts = [0.02 * jax.random.normal(next(keys), t.shape(cfg)) for t in spec.parts]
+    np.testing.assert_array_equal(np.asarray(init), np.asarray(llama.fuse(spec, cfg, parts)))
+
+
+def test_drafter_file_keeps_the_split_names_bitwise(tmp_path):
+    """An EAGLE drafter's file holds the block's parts (``layer.wq`` …, ``layer.w_up``) as every
+    drafter file so far; saving what was loaded writes the same bytes (the parts are contiguous:
+    ``safetensors`` writes a strided view's raw buffer)."""
+    from safetensors.numpy import load_file
+
+    target = tiny_model(4)
+    cfg = eagle.EagleConfig.for_target(target.config, 32, 48)
+    tp = eagle.init_params(cfg, 6)
+    eagle.save_drafter(str(tmp_path / "a"), cfg, tp, np.arange(32), target)
+    first = load_file(str(tmp_path / "a" / "model.safetensors"))
+    assert {"layer.wq", "layer.wk", "layer.wv", "layer.w_gate", "layer.w_up"} <= set(first)
+    gate_up = np.asarray(tp["layer"]["w_gate_up"])
+    np.testing.assert_array_equal(first["layer.w_up"], gate_up[:, 1])
+    d = eagle.load_drafter(str(tmp_path / "a"), target)
+    eagle.save_drafter(str(tmp_path / "b"), cfg, d.params["train"], np.arange(32), target)
+    second = load_file(str(tmp_path / "b" / "model.safetensors"))
+    assert set(first) == set(second)
+    for k in first:
+        np.testing.assert_array_equal(first[k], second[k], err_msg=k)

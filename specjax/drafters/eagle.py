@@ -56,7 +56,7 @@ from specjax.models.config import ModelConfig
 from specjax.core.drafting import DraftContext, Proposal, TreeProposal, TreeShape
 from specjax.core.tree import DraftTree, block_attention_mask, build_dynamic_tree, positions
 from specjax.drafters.ngram import lookup_candidate
-from specjax.models import llama
+from specjax.models import llama, weights
 from specjax.core.sampling import sample
 
 COPY_KEYS = ("copy_w", "copy_b")  # the copy term's parameters (present iff copy_ngram > 0)
@@ -64,13 +64,13 @@ TRAINABLE = ("fc", "fc_b", "layer", "out_norm") + COPY_KEYS
 
 
 def block_weights() -> tuple[llama.WeightSpec, ...]:
-    """The drafter block's weights: the per-layer entries of :data:`specjax.models.llama.WEIGHTS`
+    """The drafter block's weights: the per-layer entries of :data:`specjax.models.weights.WEIGHTS`
     every target block has (no ``when`` condition; no biases), in table order."""
-    return tuple(s for s in llama.WEIGHTS if s.per_layer and s.when is None)
+    return tuple(s for s in weights.WEIGHTS if s.per_layer and s.when is None)
 
 
 def layer_keys() -> tuple[str, ...]:
-    """Names of the block's weights (``attn_norm``, ``wq``, …, ``w_down``)."""
+    """Names of the block's weights (``attn_norm``, ``w_qkv``, …, ``w_down``)."""
     return tuple(s.name for s in block_weights())
 
 
@@ -134,11 +134,10 @@ def init_params(cfg: EagleConfig, seed: int = 0, target_final_norm=None) -> dict
     l = cfg.layer
     d = l.hidden_size
     specs = block_weights()
-    normal = [s.name for s in specs if s.init == "normal"]
-    ks = jax.random.split(jax.random.PRNGKey(seed), 1 + len(normal))
+    ks = jax.random.split(jax.random.PRNGKey(seed), 1 + sum(len(s.tensors()) for s in specs if s.init == "normal"))
     n = lambda k, s: 0.02 * jax.random.normal(k, s, jnp.float32)
-    layer = {s.name: llama.init_weight(s, l, ks[1 + normal.index(s.name)] if s.name in normal else None)
-             for s in specs}
+    rest = iter(ks[1:])  # one key per checkpoint tensor (part), in table order
+    layer = {s.name: llama.init_weight(s, l, lambda: next(rest)) for s in specs}
     out_norm = jnp.ones((d,), jnp.float32) if target_final_norm is None else jnp.asarray(target_final_norm, jnp.float32)
     tp = {"fc": n(ks[0], (2 * d, d)), "fc_b": jnp.zeros((d,), jnp.float32), "layer": layer, "out_norm": out_norm}
     tp.update(init_copy_params(cfg))
@@ -238,8 +237,9 @@ SMALL_ROWS = 16  # decode-step row counts (batch × 1) up to which sub_logits us
 def quantize_params(params: dict) -> dict:
     """The ``int8`` weight format of a drafter's ``{"train", "frozen"}`` parameters.
 
-    ``fc``, the block's seven matrices (stored ``[in, out]``) and the sub-vocabulary head
-    (``[|S|, D]``) become symmetric per-output-channel int8 with a float32 ``<name>_scale``
+    ``fc``, the block's four matrices (``w_qkv``, ``wo``, ``w_gate_up``, ``w_down``, stored
+    ``[in, *out]``) and the sub-vocabulary head (``[|S|, D]``) become symmetric
+    per-output-channel int8 with a float32 ``<name>_scale``
     (:func:`specjax.models.llama.quantize_int8`); activations are quantized per row on the
     fly (:func:`specjax.models.llama.matmul`). Norms, biases, the copy term and the
     embedding used for input lookups stay float32. It lets the drafter run in an int8
@@ -523,18 +523,25 @@ def fingerprint_mismatch(saved: dict, fp: dict) -> str | None:
     return None
 
 
-def flat_trainable(tp: dict) -> dict[str, np.ndarray]:
+def flat_trainable(tp: dict, cfg: EagleConfig) -> dict[str, np.ndarray]:
+    """``{file name: array}`` of the trainable parameters; the block's fused weights are written
+    as their parts (``layer.wq``, ``layer.wk``, …: the file layout of every drafter so far)."""
     out = {"fc": tp["fc"], "fc_b": tp["fc_b"], "out_norm": tp["out_norm"]}
     out.update({k: tp[k] for k in COPY_KEYS if k in tp})
-    for k in layer_keys():
-        out[f"layer.{k}"] = tp["layer"][k]
-    return {k: np.asarray(v) for k, v in out.items()}
+    for spec in block_weights():
+        for t, a in weights.split(spec, cfg.layer, np.asarray(tp["layer"][spec.name])):
+            out[f"layer.{t.name}"] = a
+    return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 
-def unflat_trainable(flat: dict) -> dict:
-    tp = {"fc": jnp.asarray(flat["fc"], jnp.float32), "fc_b": jnp.asarray(flat["fc_b"], jnp.float32),
-          "out_norm": jnp.asarray(flat["out_norm"], jnp.float32),
-          "layer": {k: jnp.asarray(flat[f"layer.{k}"], jnp.float32) for k in layer_keys()}}
+def unflat_trainable(flat: dict, cfg: EagleConfig) -> dict:
+    """The inverse of :func:`flat_trainable` (the parts of a fused block weight concatenated)."""
+    f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    layer = {}
+    for spec in block_weights():
+        parts = [f32(flat[f"layer.{t.name}"]) for t in spec.tensors()]
+        layer[spec.name] = weights.fuse(spec, cfg.layer, parts) if spec.parts else parts[0]
+    tp = {"fc": f32(flat["fc"]), "fc_b": f32(flat["fc_b"]), "out_norm": f32(flat["out_norm"]), "layer": layer}
     tp.update({k: jnp.asarray(flat[k], jnp.float32) for k in COPY_KEYS if k in flat})
     return tp
 
@@ -548,7 +555,7 @@ def save_drafter(path: str, cfg: EagleConfig, trainable: dict, sub_ids, target, 
     from safetensors.numpy import save_file
 
     os.makedirs(path, exist_ok=True)
-    tensors = flat_trainable(trainable)
+    tensors = flat_trainable(trainable, cfg)
     if dtype == "bfloat16":
         import ml_dtypes
 
@@ -601,7 +608,8 @@ def load_drafter(path, target, dtype: str = "float32", name: str = "eagle", chec
     c = meta["config"]
     cfg = EagleConfig.for_target(target.config, c["sub_vocab"], c["intermediate_size"], c["num_heads"], c["num_kv_heads"],
                                  c.get("copy_ngram", 0))
-    tp = unflat_trainable({k: np.asarray(v, np.float32) for k, v in tensors.items() if k != "sub_ids"})
+    tp = unflat_trainable({k: np.asarray(v, np.float32) for k, v in tensors.items() if k != "sub_ids"},
+                          cfg)
     if cfg.copy_ngram and not set(COPY_KEYS) <= set(tp):
         raise CheckpointError(f"{path}: drafter.json sets copy_ngram = {cfg.copy_ngram} but the weights have no "
                               "copy_w/copy_b; the directory is incomplete or mixed")

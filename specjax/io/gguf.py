@@ -110,7 +110,8 @@ def iter_gguf_tensors(reader, cfg: ModelConfig):
     """Yield ``(param_path, float32 array in specjax layout)`` for every tensor, one at a time
     (so at most one dequantized tensor is alive besides what the caller keeps). Names,
     transposes and the Q/K row permutation come from the weight table
-    (:data:`specjax.models.llama.WEIGHTS`).
+    (:data:`specjax.models.weights.WEIGHTS`); the parts of a fused weight are yielded at the
+    parts' paths (``("layers", i, "wq")``) and fused by :func:`specjax.io.loading.assemble_params`.
 
     Raises:
       CheckpointError: a tensor name this architecture does not have.
@@ -126,14 +127,14 @@ def iter_gguf_tensors(reader, cfg: ModelConfig):
         hit = names.get(name)
         if hit is None:
             raise CheckpointError(f"unexpected tensor {name!r} in GGUF file")
-        path, spec = hit
+        path, spec, tensor = hit  # tensor: the spec, or the part of a fused weight (path: the part's)
         if spec.tied_to is not None and not spec.present(cfg):
             continue  # a copy of the weight it is tied to
         w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        shape = tuple(spec.shape(cfg))
-        stored = shape[::-1] if spec.gguf_transpose else shape  # the [out, in] layout of the file
+        shape = tuple(tensor.shape(cfg))
+        stored = shape[::-1] if tensor.gguf_transpose else shape  # the [out, in] layout of the file
         if w.size == int(np.prod(stored)):
             w = w.reshape(stored)
-        if arch_permutes and spec.gguf_permute is not None:
-            w = unpermute_qk(w, getattr(cfg, spec.gguf_permute))
-        yield path, (w.T if spec.gguf_transpose else w)
+        if arch_permutes and tensor.gguf_permute is not None:
+            w = unpermute_qk(w, getattr(cfg, tensor.gguf_permute))
+        yield path, (w.T if tensor.gguf_transpose else w)

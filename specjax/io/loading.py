@@ -86,10 +86,14 @@ def assemble_params(
 ):
     """Build ``(graphdef, params)`` from ``(path, array)`` pairs in specjax layout.
 
-    Every expected tensor must appear once with the right shape.
+    Every expected tensor must appear once with the right shape. A fused weight
+    (:attr:`specjax.models.weights.WeightSpec.parts`) may come whole or as its parts, at the
+    parts' paths (``("layers", 0, "wq")``, as the checkpoint loaders yield them): the parts are
+    kept until the last one arrives, then concatenated (:func:`specjax.models.weights.fuse`).
 
     Args:
-      tensors: iterator of ``(param path tuple, array)``, e.g. ``(("layers", 0, "wq"), w)``.
+      tensors: iterator of ``(param path tuple, array)``, e.g. ``(("layers", 0, "wq"), w)`` or
+        ``(("layers", 0, "w_qkv"), w)``.
       dtype: parameter dtype.
       place: ``(path, array) -> jax.Array`` placing one tensor (device / sharding);
         default ``jax.device_put``. An object with ``for_config(cfg, dtype)`` is first
@@ -104,7 +108,21 @@ def assemble_params(
     graphdef, abstract = llama.abstract_model(cfg, dt)
     expected = {tuple(p): v for p, v in _flat(nnx.to_pure_dict(abstract))}
     got: dict[tuple, jax.Array] = {}
+    pending: dict[tuple, dict] = {}  # fused weight path -> {part name: array} so far
     for path, arr in tensors:
+        fused = llama.part_of(path[-1]) if path not in expected else None
+        if fused is not None and path[:-1] + (fused[0].name,) in expected:
+            spec, part = fused
+            want = tuple(part.shape(cfg))
+            if tuple(arr.shape) != want:
+                raise CheckpointError(f"{source}: tensor {_name(path)} has shape {tuple(arr.shape)}, expected {want}")
+            path = path[:-1] + (spec.name,)
+            have = pending.setdefault(path, {})
+            have[part.name] = arr
+            if len(have) < len(spec.parts):
+                continue
+            arr = llama.fuse(spec, cfg, [have[q.name] for q in spec.parts])
+            del pending[path]
         if path not in expected:
             raise CheckpointError(f"{source}: unexpected tensor {_name(path)} (shape {tuple(arr.shape)}) "
                                   f"for a {cfg.model_type} model with this config")
@@ -119,7 +137,13 @@ def assemble_params(
         for p, a in items:
             a = jnp.asarray(a, dtype=expected[p].dtype)
             got[p] = place(p, a) if place else jax.device_put(a)
-    missing = [p for p in expected if p not in got]
+    missing = []
+    for p in expected:
+        spec = llama.weight_spec(p[-1])
+        if p in got or spec is None:  # present, or an int8 scale (named with its weight)
+            continue
+        have = pending.get(p, {})
+        missing += [p[:-1] + (t.name,) for t in spec.tensors() if t.name not in have] if spec.parts else [p]
     if missing:
         names = ", ".join(_name(p) for p in missing[:8]) + (" …" if len(missing) > 8 else "")
         raise CheckpointError(f"{source}: {len(missing)} missing tensor(s): {names}")
@@ -139,8 +163,9 @@ _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
 def _hf_tensor_path(name: str, cfg: ModelConfig, names: dict | None = None):
     """Map a HF tensor name to ``(specjax path, transpose)`` by the weight table
-    (:data:`specjax.models.llama.WEIGHTS`); ``None`` for tensors to skip (RoPE buffers, the
-    copy of a tied head). ``names``: ``llama.checkpoint_names(cfg, "hf")`` if already built.
+    (:data:`specjax.models.weights.WEIGHTS`; a part of a fused weight at the part's path);
+    ``None`` for tensors to skip (RoPE buffers, the copy of a tied head). ``names``:
+    ``llama.checkpoint_names(cfg, "hf")`` if already built.
 
     Raises:
       CheckpointError: a name the table does not have for this config.
@@ -150,10 +175,10 @@ def _hf_tensor_path(name: str, cfg: ModelConfig, names: dict | None = None):
     hit = (names if names is not None else llama.checkpoint_names(cfg, "hf")).get(name)
     if hit is None:
         raise CheckpointError(f"unexpected tensor {name!r} for a {cfg.model_type} model")
-    path, spec = hit
+    path, spec, tensor = hit
     if spec.tied_to is not None and not spec.present(cfg):
         return None
-    return path, spec.hf_transpose
+    return path, tensor.hf_transpose
 
 
 def _safetensor_files(path: str) -> list[str]:
@@ -478,12 +503,12 @@ def save_model(model: Model, path: str, extra_metadata: dict | None = None) -> s
     cfg = model.config
     tensors = {}
     for p, arr in float_tensors(model):  # names and layouts from the weight table
-        a = np.asarray(arr)
         spec = llama.weight_spec(p[-1])
-        name = spec.checkpoint_name("hf", p[1] if spec.per_layer else None)
-        if name is None:
-            raise CheckpointError(f"weight {_name(p)} has no Hugging Face name; it cannot be saved as safetensors")
-        tensors[name] = np.ascontiguousarray(a.T) if spec.hf_transpose else a
+        for t, a in llama.split(spec, cfg, np.asarray(arr)):  # a fused weight: its parts
+            name = t.checkpoint_name("hf", p[1] if spec.per_layer else None)
+            if name is None:
+                raise CheckpointError(f"weight {_name(p)} has no Hugging Face name; it cannot be saved as safetensors")
+            tensors[name] = np.ascontiguousarray(a.T) if t.hf_transpose else np.ascontiguousarray(a)
     meta = {"format": "pt"}
     meta.update({k: str(v) for k, v in (extra_metadata or {}).items()})
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata=meta)

@@ -6,11 +6,16 @@ everything that runs is a pure function of ``(graphdef, params, ...)``
 (:func:`apply`), so parameters and caches are plain pytrees that ``jit``, ``vmap``,
 sharding and optax all understand.
 
+The weights are declared once, in :data:`specjax.models.weights.WEIGHTS`.
+
 Layout choices, measured on XLA CPU (see PERFORMANCE-NOTES): one array per layer
 (not a stacked ``[layers, ...]`` array) with the layer loop unrolled in Python;
-projection weights stored ``[in, out]``; a tied LM head applied with an ``einsum``
-over the untransposed ``[vocab, hidden]`` embedding (``embed.T`` copied 113 MB per
-call); KV cache ``[batch, kv_heads, max_len, head_dim]`` per layer.
+projection weights stored ``[in, out]``, with the query/key/value projections fused into
+one ``w_qkv [D, KV, G + 2, hd]`` and gate/up into one ``w_gate_up [D, 2, F]`` (two matmuls
+instead of five per block: fewer ops for GPU/TPU, where a decode step is op-count bound;
+on XLA CPU fused and split time the same within noise); a tied LM head applied with an
+``einsum`` over the untransposed ``[vocab, hidden]`` embedding (``embed.T`` copied 113 MB
+per call); KV cache ``[batch, kv_heads, max_len, head_dim]`` per layer.
 """
 
 from __future__ import annotations
@@ -25,233 +30,17 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
+from specjax.models import weights
 from specjax.models.config import ModelConfig
-
-
-WEIGHT_FORMATS = ("float32", "bfloat16", "int8")
-
-
-@dataclasses.dataclass(frozen=True)
-class WeightSpec:
-    """Everything specjax knows about one weight, in one place (:data:`WEIGHTS`).
-
-    Initialisation and abstract shapes (:class:`Transformer`), the Hugging Face and GGUF
-    loaders and :func:`specjax.io.loading.save_model` (names, transposes, the GGUF Q/K row
-    permutation), the sharding rules (:mod:`specjax.runtime.sharding`), the int8 format
-    (which weights, on which axis) and the EAGLE drafter's block all read this table;
-    adding an entry adds the weight everywhere (the forward pass still has to use it).
-
-    Attributes:
-      name: parameter name, the last element of its path (``("embed",)``,
-        ``("layers", i, "wq")``).
-      shape: ``cfg -> shape`` in specjax layout (matmul weights ``[in, out]``).
-      logical_axes: one logical axis name (or ``None``) per dimension, for sharding
-        (``"heads"``, ``"kv_heads"``, ``"mlp"``, ``"vocab"``; see
-        :data:`specjax.runtime.sharding.AXIS_RULES`).
-      init: random initialisation: ``"normal"`` (N(0, 0.02)), ``"ones"`` or ``"zeros"``.
-      quant_axis: a matmul weight: stored in the weight format's matmul dtype, and in int8
-        quantized per channel with a float32 ``<name>_scale`` reduced over this axis (the
-        input dimension). ``None``: not a matmul weight (float32, or bf16 in ``bfloat16``).
-      hf_name: Hugging Face safetensors name; ``{i}`` is the layer index. ``None``: none.
-      hf_transpose: the HF tensor is the transpose of the specjax one (``[out, in]``).
-      gguf_name: llama.cpp GGUF name (``{i}``: layer); ``None``: the GGUF loader has none.
-      gguf_transpose: the (dequantized) GGUF tensor is the transpose of the specjax one.
-      gguf_permute: a ``ModelConfig`` head-count attribute (``"num_heads"``,
-        ``"num_kv_heads"``): llama.cpp permuted the rows of this tensor per head for the
-        ``llama`` architecture (:func:`specjax.io.gguf.unpermute_qk`); ``None``: never.
-      per_layer: one per decoder block (path ``("layers", i, name)``), else one per model.
-      when: ``cfg -> bool``: the model has this weight only where true (``None``: always).
-      tied_to: where ``when`` is false the weight IS this other one (the tied LM head is
-        the embedding): a checkpoint's copy of it is skipped, not refused.
-    """
-
-    name: str
-    shape: Callable[[ModelConfig], tuple]
-    logical_axes: tuple
-    init: str = "normal"
-    quant_axis: int | None = None
-    hf_name: str | None = None
-    hf_transpose: bool = False
-    gguf_name: str | None = None
-    gguf_transpose: bool = False
-    gguf_permute: str | None = None
-    per_layer: bool = False
-    when: Callable[[ModelConfig], bool] | None = None
-    tied_to: str | None = None
-
-    def present(self, cfg: ModelConfig) -> bool:
-        """Whether a model with config ``cfg`` has this weight."""
-        return self.when is None or bool(self.when(cfg))
-
-    def path(self, layer: int | None = None) -> tuple:
-        """Parameter path: ``("layers", layer, name)`` per layer, else ``(name,)``."""
-        return ("layers", layer, self.name) if self.per_layer else (self.name,)
-
-    def checkpoint_name(self, fmt: str, layer: int | None = None) -> str | None:
-        """The tensor's name in a ``"hf"`` or ``"gguf"`` checkpoint (``None``: it has none)."""
-        template = {"hf": self.hf_name, "gguf": self.gguf_name}[fmt]
-        return None if template is None else template.format(i=layer)
-
-    def transposed(self, fmt: str) -> bool:
-        """Whether the ``"hf"``/``"gguf"`` tensor is the transpose of the specjax one."""
-        return {"hf": self.hf_transpose, "gguf": self.gguf_transpose}[fmt]
-
-    @property
-    def scale_axes(self) -> tuple:
-        """Logical axes of the int8 ``<name>_scale``: the weight's, without ``quant_axis``."""
-        return tuple(a for k, a in enumerate(self.logical_axes) if k != self.quant_axis)
-
-
-def _q_out(c: ModelConfig) -> int:
-    return c.num_heads * c.head_dim
-
-
-def _kv_out(c: ModelConfig) -> int:
-    return c.num_kv_heads * c.head_dim
-
-
-_LAYER = "model.layers.{i}."
-
-# The one table of weights, in model order (embedding, one block, final norm, head): the
-# random initialisation draws the "normal" weights in this order (layer by layer).
-WEIGHTS: tuple[WeightSpec, ...] = (
-    WeightSpec("embed", lambda c: (c.vocab_size, c.hidden_size), ("vocab", None), quant_axis=1,
-               hf_name="model.embed_tokens.weight", gguf_name="token_embd.weight"),
-    WeightSpec("attn_norm", lambda c: (c.hidden_size,), (None,), init="ones", per_layer=True,
-               hf_name=_LAYER + "input_layernorm.weight", gguf_name="blk.{i}.attn_norm.weight"),
-    WeightSpec("wq", lambda c: (c.hidden_size, _q_out(c)), (None, "heads"), quant_axis=0, per_layer=True,
-               hf_name=_LAYER + "self_attn.q_proj.weight", hf_transpose=True,
-               gguf_name="blk.{i}.attn_q.weight", gguf_transpose=True, gguf_permute="num_heads"),
-    WeightSpec("wk", lambda c: (c.hidden_size, _kv_out(c)), (None, "kv_heads"), quant_axis=0, per_layer=True,
-               hf_name=_LAYER + "self_attn.k_proj.weight", hf_transpose=True,
-               gguf_name="blk.{i}.attn_k.weight", gguf_transpose=True, gguf_permute="num_kv_heads"),
-    WeightSpec("wv", lambda c: (c.hidden_size, _kv_out(c)), (None, "kv_heads"), quant_axis=0, per_layer=True,
-               hf_name=_LAYER + "self_attn.v_proj.weight", hf_transpose=True,
-               gguf_name="blk.{i}.attn_v.weight", gguf_transpose=True),
-    WeightSpec("bq", lambda c: (_q_out(c),), ("heads",), init="zeros", per_layer=True,
-               when=lambda c: c.attention_bias, hf_name=_LAYER + "self_attn.q_proj.bias",
-               gguf_name="blk.{i}.attn_q.bias", gguf_permute="num_heads"),
-    WeightSpec("bk", lambda c: (_kv_out(c),), ("kv_heads",), init="zeros", per_layer=True,
-               when=lambda c: c.attention_bias, hf_name=_LAYER + "self_attn.k_proj.bias",
-               gguf_name="blk.{i}.attn_k.bias", gguf_permute="num_kv_heads"),
-    WeightSpec("bv", lambda c: (_kv_out(c),), ("kv_heads",), init="zeros", per_layer=True,
-               when=lambda c: c.attention_bias, hf_name=_LAYER + "self_attn.v_proj.bias",
-               gguf_name="blk.{i}.attn_v.bias"),
-    WeightSpec("wo", lambda c: (_q_out(c), c.hidden_size), ("heads", None), quant_axis=0, per_layer=True,
-               hf_name=_LAYER + "self_attn.o_proj.weight", hf_transpose=True,
-               gguf_name="blk.{i}.attn_output.weight", gguf_transpose=True),
-    WeightSpec("bo", lambda c: (c.hidden_size,), (None,), init="zeros", per_layer=True,
-               when=lambda c: c.attention_out_bias, hf_name=_LAYER + "self_attn.o_proj.bias"),
-    WeightSpec("mlp_norm", lambda c: (c.hidden_size,), (None,), init="ones", per_layer=True,
-               hf_name=_LAYER + "post_attention_layernorm.weight", gguf_name="blk.{i}.ffn_norm.weight"),
-    WeightSpec("w_gate", lambda c: (c.hidden_size, c.intermediate_size), (None, "mlp"), quant_axis=0,
-               per_layer=True, hf_name=_LAYER + "mlp.gate_proj.weight", hf_transpose=True,
-               gguf_name="blk.{i}.ffn_gate.weight", gguf_transpose=True),
-    WeightSpec("w_up", lambda c: (c.hidden_size, c.intermediate_size), (None, "mlp"), quant_axis=0,
-               per_layer=True, hf_name=_LAYER + "mlp.up_proj.weight", hf_transpose=True,
-               gguf_name="blk.{i}.ffn_up.weight", gguf_transpose=True),
-    WeightSpec("w_down", lambda c: (c.intermediate_size, c.hidden_size), ("mlp", None), quant_axis=0,
-               per_layer=True, hf_name=_LAYER + "mlp.down_proj.weight", hf_transpose=True,
-               gguf_name="blk.{i}.ffn_down.weight", gguf_transpose=True),
-    WeightSpec("final_norm", lambda c: (c.hidden_size,), (None,), init="ones",
-               hf_name="model.norm.weight", gguf_name="output_norm.weight"),
-    WeightSpec("lm_head", lambda c: (c.hidden_size, c.vocab_size), (None, "vocab"), quant_axis=0,
-               when=lambda c: not c.tie_word_embeddings, tied_to="embed",
-               hf_name="lm_head.weight", hf_transpose=True, gguf_name="output.weight", gguf_transpose=True),
+from specjax.models.weights import (  # noqa: F401  (the table's functions, re-exported)
+    WEIGHT_FORMATS, Part, WeightSpec, checkpoint_names, fuse, init_weight, layer_weights, matmul_weights,
+    num_params, param_logical_axes, part_of, quantize_int8, split, storage_dtype, weight_spec,
 )
-
-
-def weight_spec(name: str) -> WeightSpec | None:
-    """The :data:`WEIGHTS` entry of parameter ``name`` (``"wq"``), or ``None`` (e.g. for an
-    int8 ``<name>_scale``, or a name the table does not have)."""
-    for spec in WEIGHTS:
-        if spec.name == name:
-            return spec
-    return None
-
-
-def layer_weights(cfg: ModelConfig) -> tuple[WeightSpec, ...]:
-    """The per-layer weights a block of a model with config ``cfg`` has, in table order."""
-    return tuple(s for s in WEIGHTS if s.per_layer and s.present(cfg))
-
-
-def num_params(cfg: ModelConfig) -> int:
-    """Number of parameters of a model with config ``cfg`` (a tied head counted once), from
-    :data:`WEIGHTS`."""
-    total = 0
-    for spec in WEIGHTS:
-        if spec.present(cfg):
-            total += int(np.prod(spec.shape(cfg))) * (cfg.num_layers if spec.per_layer else 1)
-    return total
-
-
-def matmul_weights() -> tuple[str, ...]:
-    """Names of the matmul weights (int8-quantized in the int8 format), from :data:`WEIGHTS`."""
-    return tuple(s.name for s in WEIGHTS if s.quant_axis is not None)
-
-
-def param_logical_axes() -> dict[str, tuple]:
-    """``{parameter name: logical axis of each dimension}`` for every weight of :data:`WEIGHTS`
-    and the int8 ``<name>_scale`` of each matmul weight (its output dimension's axis)."""
-    out = {s.name: tuple(s.logical_axes) for s in WEIGHTS}
-    out.update({s.name + "_scale": s.scale_axes for s in WEIGHTS if s.quant_axis is not None})
-    return out
-
-
-def checkpoint_names(cfg: ModelConfig, fmt: str) -> dict[str, tuple[tuple, WeightSpec]]:
-    """``{tensor name: (parameter path, spec)}`` of every weight with a name in a ``fmt``
-    (``"hf"`` or ``"gguf"``) checkpoint, for every layer of ``cfg``. Weights that ``cfg``
-    does not have (``spec.present(cfg)`` false) are included: a loader skips a tied copy
-    (``spec.tied_to``) and refuses the rest.
-
-    Raises:
-      KeyError: ``fmt`` is not ``"hf"`` or ``"gguf"``.
-    """
-    out = {}
-    for spec in WEIGHTS:
-        for i in (range(cfg.num_layers) if spec.per_layer else (None,)):
-            name = spec.checkpoint_name(fmt, i)
-            if name is not None:
-                out[name] = (spec.path(i), spec)
-    return out
-
-
-def storage_dtype(fmt: str):
-    """Array dtype of matmul weights for a weight format; norms/biases/scales stay float32
-    except in bfloat16, where every parameter is bf16."""
-    if fmt not in WEIGHT_FORMATS:
-        raise ValueError(f"unknown weight format {fmt!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
-    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8}[fmt]
-
-
-def quantize_int8(w, axis: int):
-    """Symmetric per-channel int8: ``w ≈ q * scale`` with ``scale = max|w| / 127`` reduced over
-    ``axis`` (the input dim). Returns ``(q int8, scale float32 with axis removed)``."""
-    w = jnp.asarray(w, jnp.float32)
-    amax = jnp.max(jnp.abs(w), axis=axis)
-    scale = jnp.where(amax > 0, amax / 127.0, 1.0)
-    q = jnp.clip(jnp.round(w / jnp.expand_dims(scale, axis)), -127, 127).astype(jnp.int8)
-    return q, scale.astype(jnp.float32)
-
-
-def init_weight(spec: WeightSpec, cfg: ModelConfig, key=None) -> jax.Array:
-    """A float32 weight of ``spec.shape(cfg)`` initialised per ``spec.init``: N(0, 0.02) from
-    ``key`` (needed only for ``"normal"``), or all ones / zeros.
-
-    Raises:
-      ValueError: an unknown ``spec.init``.
-    """
-    shape = tuple(spec.shape(cfg))
-    if spec.init == "normal":
-        return 0.02 * jax.random.normal(key, shape, jnp.float32)
-    if spec.init not in ("ones", "zeros"):
-        raise ValueError(f"weight {spec.name}: unknown init {spec.init!r} (normal, ones or zeros)")
-    return jnp.full(shape, 1.0 if spec.init == "ones" else 0.0, jnp.float32)
 
 
 def _add_weight(module, spec: WeightSpec, cfg: ModelConfig, fmt: str, rngs: nnx.Rngs) -> None:
     """Set ``module.<name>`` (and its int8 ``<name>_scale``) to a new weight in format ``fmt``."""
-    w = init_weight(spec, cfg, rngs.params() if spec.init == "normal" else None)
+    w = init_weight(spec, cfg, rngs.params)
     if spec.quant_axis is not None and fmt == "int8":
         q, s = quantize_int8(w, spec.quant_axis)
         setattr(module, spec.name, nnx.Param(q))
@@ -264,9 +53,9 @@ def _add_weight(module, spec: WeightSpec, cfg: ModelConfig, fmt: str, rngs: nnx.
 class Block(nnx.Module):
     """One pre-norm decoder block: RMSNorm → GQA attention → RMSNorm → SwiGLU MLP.
 
-    Its parameters are the per-layer entries of :data:`WEIGHTS` that ``cfg`` has. Matmul
-    weights are stored ``[in, out]``; in the int8 format each has a float32
-    per-output-channel ``<name>_scale``.
+    Its parameters are the per-layer entries of :data:`specjax.models.weights.WEIGHTS` that
+    ``cfg`` has. Matmul weights are stored ``[in, *out]``; in the int8 format each has a
+    float32 per-output-channel ``<name>_scale`` (shape ``out``).
     """
 
     def __init__(self, cfg: ModelConfig, fmt: str, rngs: nnx.Rngs):
@@ -275,7 +64,8 @@ class Block(nnx.Module):
 
 
 class Transformer(nnx.Module):
-    """Parameters of a Llama-family decoder (the entries of :data:`WEIGHTS` that ``cfg`` has).
+    """Parameters of a Llama-family decoder (the entries of
+    :data:`specjax.models.weights.WEIGHTS` that ``cfg`` has).
     Call it through :func:`apply`.
 
     ``fmt``: weight format — ``float32``; ``bfloat16`` (bf16 weights, float32
@@ -285,14 +75,15 @@ class Transformer(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, fmt: str = "float32", rngs: nnx.Rngs):
         storage_dtype(fmt)  # validates
-        first_layer = next((k for k, s in enumerate(WEIGHTS) if s.per_layer), len(WEIGHTS))
+        table = weights.WEIGHTS
+        first_layer = next((k for k, s in enumerate(table) if s.per_layer), len(table))
         # in table order: the model weights listed before the blocks, the blocks, the rest
-        for k, spec in enumerate(WEIGHTS):
+        for k, spec in enumerate(table):
             if k == first_layer:
                 self.layers = nnx.List([Block(cfg, fmt, rngs) for _ in range(cfg.num_layers)])
             if not spec.per_layer and spec.present(cfg):
                 _add_weight(self, spec, cfg, fmt, rngs)
-        if first_layer == len(WEIGHTS):  # a table without per-layer weights
+        if first_layer == len(table):  # a table without per-layer weights
             self.layers = nnx.List([])
 
 
@@ -444,9 +235,13 @@ def quantize_rows(x):
 
 
 def matmul(x, w, scale=None, transposed=False):
-    """``x [..., K] @ w`` → float32 ``[..., N]`` in the weight's format.
+    """``x [..., K] @ w`` → float32 ``[..., *out]`` in the weight's format.
 
-    ``w`` is ``[K, N]`` (or ``[N, K]`` when ``transposed``, the tied embedding).
+    ``w`` is ``[K, *out]`` (or ``[N, K]`` when ``transposed``, the tied embedding); a fused
+    weight's output axes (``w_qkv [D, KV, G + 2, hd]``) stay separate axes of one dot, which
+    XLA runs as the 2-D ``[K, prod(out)]`` product (contiguous: no copy), and which a mesh can
+    split on any output axis without moving data. Every output column is its own dot over K,
+    so fusing weights never mixes rows (batch invariance).
     float32 / bfloat16: the activations are cast to ``w.dtype`` and accumulated in
     float32 (bf16×bf16 products are exact in float32). int8: activations are quantized
     per row on the fly, ``int8 × int8 → int32`` (``preferred_element_type``), then
@@ -460,16 +255,17 @@ def matmul(x, w, scale=None, transposed=False):
         def fn(a):
             q, s = quantize_rows(a)
             y = jax.lax.dot_general(q, w, dn, preferred_element_type=jnp.int32)
-            return y.astype(jnp.float32) * s[:, None] * scale[None, :]
+            return y.astype(jnp.float32) * s.reshape((-1,) + (1,) * (y.ndim - 1)) * scale[None]
     else:
         def fn(a):
             return jax.lax.dot_general(a.astype(w.dtype), w, dn, preferred_element_type=jnp.float32)
     y = _rows_padded(x2, fn) if w.dtype != jnp.float32 else fn(x2)
-    return y.reshape(*lead, y.shape[-1])
+    return y.reshape(*lead, *y.shape[1:])
 
 
 def dense(x, w, b=None, scale=None):
-    """``x @ w`` (+ b) with float32 output; ``w`` stored ``[in, out]`` (see :func:`matmul`)."""
+    """``x @ w`` (+ b, of shape ``out``) with float32 output; ``w`` stored ``[in, *out]`` (see
+    :func:`matmul`)."""
     y = matmul(x, w, scale)
     if b is not None:
         y = y + b.astype(jnp.float32)
@@ -706,10 +502,10 @@ def decoder_block(
     stream ``h``, writing its K/V into this block's cache arrays.
 
     Args:
-      p: the block's weights by :data:`WEIGHTS` name (``attn_norm``, ``wq`` ``[D, H·hd]``, …,
-        ``w_down`` ``[F, D]``; matmul weights ``[in, out]`` in float32, bfloat16 or int8 with
-        a float32 ``<name>_scale``). Optional weights (the biases ``bq``/``bk``/``bv``/``bo``)
-        may be absent.
+      p: the block's weights by :data:`specjax.models.weights.WEIGHTS` name (``attn_norm``,
+        ``w_qkv [D, KV, G + 2, hd]``, ``wo``, ``mlp_norm``, ``w_gate_up [D, 2, F]``, ``w_down
+        [F, D]``; matmul weights ``[in, *out]`` in float32, bfloat16 or int8 with a float32
+        ``<name>_scale``). Optional weights (the biases ``b_qkv``/``bo``) may be absent.
       h: ``[B, T, D]`` float32 input of the block.
       positions: ``[B, T]`` int32 RoPE positions. K/V are always written at the contiguous
         slots ``positions[:, 0] + arange(T)``. Without ``tree_mask`` they must be contiguous
@@ -741,18 +537,20 @@ def decoder_block(
         return dense(x, p[name], p.get(bias) if bias else None, p.get(name + "_scale"))
 
     x = rms_norm(h, p["attn_norm"], cfg.rms_norm_eps)
-    q = lin(x, "wq", "bq").reshape(b, t, cfg.num_heads, hd)
-    k = lin(x, "wk", "bk").reshape(b, t, cfg.num_kv_heads, hd)
-    v = lin(x, "wv", "bv").reshape(b, t, cfg.num_kv_heads, hd)
+    qkv = lin(x, "w_qkv", "b_qkv")  # [B, T, KV, G + 2, hd]: per KV group its G queries, key, value
+    g = cfg.num_heads // cfg.num_kv_heads
+    q = qkv[:, :, :, :g].reshape(b, t, cfg.num_heads, hd)  # head kv·G + j, the checkpoints' order
+    k, v = qkv[:, :, :, g], qkv[:, :, :, g + 1]  # [B, T, KV, hd]
     q = rope(q, positions, inv_freq)
     k = rope(k, positions, inv_freq)
     kc = _write(k_cache, k.transpose(0, 2, 1, 3), starts)
     vc = _write(v_cache, v.transpose(0, 2, 1, 3), starts)
-    a = _attention(q if p["wq"].dtype == jnp.float32 else q.astype(jnp.bfloat16), kc, vc, positions, cfg,
+    a = _attention(q if p["w_qkv"].dtype == jnp.float32 else q.astype(jnp.bfloat16), kc, vc, positions, cfg,
                    tree_mask=tree_mask)
     h = h + lin(a, "wo", "bo")
     x = rms_norm(h, p["mlp_norm"], cfg.rms_norm_eps)
-    h = h + lin(jax.nn.silu(lin(x, "w_gate")) * lin(x, "w_up"), "w_down")
+    gate_up = lin(x, "w_gate_up")  # [B, T, 2, F]
+    h = h + lin(jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1], "w_down")
     return h, kc, vc
 
 
@@ -867,7 +665,7 @@ def weight_format(dtype) -> str:
 
 
 def flatten_params(d, prefix=()):
-    """``(path, leaf)`` pairs of a nested parameter dict (``("layers", 0, "wq")``)."""
+    """``(path, leaf)`` pairs of a nested parameter dict (``("layers", 0, "w_qkv")``)."""
     for k, v in d.items():
         if isinstance(v, dict):
             yield from flatten_params(v, prefix + (k,))

@@ -11,9 +11,9 @@ Logical axis rules (Megatron-style tensor parallelism + data parallelism):
 logical axis   where                           mesh axis
 =============  ==============================  ========
 batch          every per-row array, KV caches  data
-heads          wq/bq (columns), wo (rows)      model
-kv_heads       wk/wv/bk/bv (columns), caches   model
-mlp            w_gate/w_up (columns), w_down   model
+heads          wo (rows)                       model
+kv_heads       w_qkv/b_qkv (KV groups), caches model
+mlp            w_gate_up (columns), w_down     model
 vocab          embed ``[V, D]`` rows,          model
                lm_head ``[D, V]`` columns
 =============  ==============================  ========
@@ -21,8 +21,9 @@ vocab          embed ``[V, D]`` rows,          model
 The parameter rows come from the weight table (each :class:`specjax.models.llama.WeightSpec`
 names the logical axis of each dimension; :data:`PARAM_LOGICAL_AXES`).
 Everything else (norms, ``bo``, the model width D, cache length and head_dim) is
-replicated. Head dimensions split whole heads only: ``wq [D, H·hd]`` is sharded
-iff ``H % model == 0`` (``wk``/``wv`` and the caches iff ``KV % model == 0``). A
+replicated. Head dimensions split whole heads only: the fused ``w_qkv [D, KV, G + 2, hd]``
+(per KV group its G query heads, its key and value head) and the caches are sharded on KV
+groups iff ``KV % model == 0``, ``wo [H·hd, D]`` iff ``H % model == 0``. A
 dimension that does not divide its mesh axis is replicated (see
 :func:`replication_notes`; the CLI prints it once). Parameters are replicated over
 ``data``; a batch that does not divide ``data`` is padded with rows that are done
@@ -48,7 +49,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from specjax.models import llama
+from specjax.models import llama, weights
 
 DATA = "data"
 MODEL = "model"
@@ -67,7 +68,7 @@ AXIS_RULES: dict[str, str] = {"batch": DATA, "heads": MODEL, "kv_heads": MODEL, 
 
 class _ParamLogicalAxes(Mapping):
     """``{parameter name (last path element): logical axis of each dimension}``, read from the
-    weight table (:data:`specjax.models.llama.WEIGHTS`, :func:`~specjax.models.llama.param_logical_axes`)
+    weight table (:data:`specjax.models.weights.WEIGHTS`, :func:`~specjax.models.weights.param_logical_axes`)
     on every lookup: a weight added to the table is sharded by its own axes, and an int8
     ``<name>_scale`` follows its weight's output dimension."""
 
@@ -210,7 +211,7 @@ def _spec(logical, units: dict, mesh: Mesh) -> P:
 
 
 def param_spec(path: tuple, shape: tuple, cfg, mesh: Mesh) -> P:
-    """PartitionSpec of parameter ``path`` (e.g. ``("layers", 0, "wq")``) with ``shape``.
+    """PartitionSpec of parameter ``path`` (e.g. ``("layers", 0, "w_qkv")``) with ``shape``.
     Unknown names (and shapes of another rank) are replicated."""
     logical = PARAM_LOGICAL_AXES.get(str(path[-1]))
     if logical is None or len(logical) != len(shape):
@@ -261,7 +262,7 @@ def replication_notes(cfg, mesh_or_model_size) -> list[str]:
         return []
 
     def on(axis):  # the weights (from the table) with a dimension on this logical axis
-        return ", ".join(w.name for w in llama.WEIGHTS if axis in w.logical_axes and w.quant_axis is not None
+        return ", ".join(w.name for w in weights.WEIGHTS if axis in w.logical_axes and w.quant_axis is not None
                          and w.present(cfg))
 
     notes = []
