@@ -314,3 +314,26 @@ def test_self_prompts_are_seeded_and_kept(tmp_path, default_model):
     mtime = os.path.getmtime(tmp_path / "a.jsonl")
     assert self_prompts(None, 6, 3, str(tmp_path / "a.jsonl")) == a  # read back, no model needed
     assert os.path.getmtime(tmp_path / "a.jsonl") == mtime
+
+
+def test_resume_of_a_checkpoint_with_another_parameter_tree_is_one_line(tmp_path):
+    """A checkpoint written with other parameter names (e.g. a run from before the fused
+    w_qkv / w_gate_up layout: wq, wk, wv, w_gate, w_up) is refused with one DistillError naming
+    the step, the directory and the fix — not an orbax traceback."""
+    import optax
+
+    from specjax.train.common import DistillError
+    from specjax.train.loop import TrainState, open_checkpoints, restore_latest, save_checkpoint
+
+    opt = optax.adam(1e-3)
+    old = {"wq": np.zeros((4, 4), np.float32), "w_gate": np.ones((4, 8), np.float32)}
+    ckdir = str(tmp_path / "ckpt")
+    mngr = open_checkpoints(ckdir)
+    save_checkpoint(mngr, TrainState(old, opt.init(old), step=3))
+    new = {"w_qkv": np.zeros((4, 1, 3, 4), np.float32), "w_gate_up": np.ones((4, 2, 8), np.float32)}
+    state = TrainState(new, opt.init(new))
+    with pytest.raises(DistillError) as e:
+        restore_latest(open_checkpoints(ckdir), ckdir, state, str(tmp_path / "history.json"))
+    msg = str(e.value)
+    assert "\n" not in msg and "step 3" in msg and ckdir in msg and "new run" in msg
+    assert state.step == 0 and state.params is new

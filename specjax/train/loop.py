@@ -158,14 +158,27 @@ def open_checkpoints(ckdir: str):
 def restore_latest(mngr, ckdir: str, state: TrainState, history_file: str) -> int | None:
     """Load the newest complete checkpoint into ``state`` (parameters, optimizer state,
     step; ``state`` gives the tree structure) and the α history up to its step from
-    ``history_file``. Returns the restored step, ``None`` (state unchanged) without one."""
+    ``history_file``. Returns the restored step, ``None`` (state unchanged) without one.
+
+    Raises:
+      DistillError: the checkpoint's tree does not match ``state`` (another parameter layout).
+    """
     import orbax.checkpoint as ocp
 
     latest = latest_complete_step(mngr, ckdir)
     if latest is None:
         return None
+    from specjax.train.common import DistillError
+
     tmpl = {"params": state.params, "opt_state": state.opt_state, "step": np.asarray(0, np.int64)}
-    restored = mngr.restore(latest, args=ocp.args.StandardRestore(tmpl))
+    try:
+        restored = mngr.restore(latest, args=ocp.args.StandardRestore(tmpl))
+    except (ValueError, KeyError, TypeError) as e:  # another tree: e.g. a run of a specjax before the fused layout
+        raise DistillError(
+            f"the checkpoint at step {latest} in {ckdir} does not match this drafter's parameters "
+            f"({type(e).__name__}: {' '.join(str(e).split())[:160]}); it was written by another specjax version or "
+            "drafter configuration: resume it with that version, or start a new run in another --out directory"
+        ) from e
     state.params, state.opt_state = restored["params"], restored["opt_state"]
     state.step = int(restored["step"])
     if os.path.exists(history_file):
