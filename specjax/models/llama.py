@@ -520,8 +520,10 @@ def decoder_block(
         token j sees the committed prefix (slots < ``positions[:, 0]``) and the new tokens i with
         ``tree_mask[:, j, i]``, which must be exactly j's ancestors and j itself, one per depth
         ``0 .. depth_j`` (:func:`specjax.core.tree.block_attention_mask`). Each token's output is
-        that of the causal call over its root-to-token path (bit-identical in the reduced
-        formats, ≈ 1e-7 in float32; a chain is the causal call bit for bit in every format).
+        that of one-token causal calls along its root-to-token path (bit-identical in the reduced
+        formats, ≈ 1e-7 in float32). A multi-token *causal* call does not promise that in the
+        reduced formats (measured: 2.4 apart in int8 at one position of a real prompt), so the
+        decode loop verifies chains as chain trees (:func:`specjax.runtime.loop._target_step`).
 
     Returns:
       ``(h [B, T, D] float32 output of the block, k_cache, v_cache)`` with the new K/V written.
