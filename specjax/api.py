@@ -265,12 +265,17 @@ def generate_text(
     Prompt i uses request key ``fold_in(seed_key(seed), i)``, whatever its batch.
 
     Raises:
-      ValueError: an empty prompt or stop string, bad sampling settings or stop ids, or
-        ``settings`` together with a decoding keyword that is not its default.
+      ValueError: ``prompts`` or ``stop`` given as one string instead of a list, an empty prompt
+        or stop string, bad sampling settings or stop ids, or ``settings`` together with a
+        decoding keyword that is not its default.
     """
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
               batch_size=batch_size, ignore_eos=ignore_eos)
     settings = _settings(settings, kw)
+    if isinstance(prompts, str):
+        raise ValueError(f"prompts must be a list of strings, got one string; pass [{prompts[:20]!r}]")
+    if isinstance(stop, str):
+        raise ValueError(f"stop must be a list of strings, got one string; pass [{stop!r}]")
     stop = [] if stop is None else list(stop)
     if any(not isinstance(s, str) or not s for s in stop):
         raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")

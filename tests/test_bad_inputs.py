@@ -326,3 +326,20 @@ def test_analyze_unbounded_optimum(capsys):
     assert cli.main(["analyze", "--alpha", "0.8", "--c", "0.05", "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert rep["optimal_gamma"] == 8 and rep["optimal_gamma_reason"] is None
+
+
+def test_api_string_instead_of_a_list_and_cli_version(capsys):
+    """``generate_text(target, "Hi")`` must not decode "H" and "i" as two prompts (nor split a stop
+    string into characters): one ValueError that shows the fix; ``specjax --version``."""
+    import specjax
+    from specjax.cli import main
+
+    with pytest.raises(ValueError, match=r"one string; pass \['Hi'\]"):
+        specjax.generate_text(None, "Hi")
+    with pytest.raises(ValueError, match="stop must be a list"):
+        specjax.generate_text(None, ["Hi"], stop="\n")
+    try:
+        rc = main(["--version"])
+    except SystemExit as e:  # argparse's version action exits
+        rc = e.code
+    assert rc in (0, None) and capsys.readouterr().out.strip() == f"specjax {specjax.__version__}"

@@ -387,7 +387,7 @@ def test_tree_argument_errors(tiny):
     with pytest.raises(ValueError, match="chains only"):
         Decoder(target, ModelDrafter.from_model(truncate_model(target, 1)), tree_nodes=8, tree_depth=4, tree_topk=2)
     for n, d, k, msg in ((3, 4, 1, "depth"), (5, 4, 1, "K \\+ \\(D-1\\)"), (0, 1, 1, "integer >= 1"),
-                         (4.5, 2, 2, "integer >= 1")):
+                         (4.5, 2, 2, "integer >= 1"), (4, 2, 9, "topk \\(9\\) must be <= tree nodes \\(4\\)")):
         with pytest.raises(ValueError, match=msg):
             TreeShape(n, d, k)
     dec = Decoder(target, NgramDrafter(3), gamma=7, tree_nodes=8, tree_depth=4, tree_topk=2)

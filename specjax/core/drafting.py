@@ -100,6 +100,9 @@ class TreeShape:
         if d > n:
             raise ValueError(f"tree depth ({d}) must be <= tree nodes ({n}): a path of depth D holds D nodes; "
                              f"raise --tree-nodes to at least {d} or lower --tree-depth")
+        if k > n:
+            raise ValueError(f"tree topk ({k}) must be <= tree nodes ({n}): a node has at most N children; "
+                             f"lower --tree-topk to at most {n} or raise --tree-nodes")
         if n > self.max_nodes(d, k):
             raise ValueError(f"tree nodes ({n}) must be <= K + (D-1)·K² = {self.max_nodes(d, k)} for depth {d} and "
                              f"topk {k} (the candidates of a dynamic tree); lower --tree-nodes or raise "

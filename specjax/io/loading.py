@@ -306,7 +306,8 @@ def load_model(
             raise CheckpointError(f"{path} is a file but not .gguf; pass the model directory instead")
         cfg_file = os.path.join(path, "config.json")
         if not os.path.exists(cfg_file):
-            raise CheckpointError(f"{path} has no config.json")
+            raise CheckpointError(f"{path} has no config.json, so it is not a model directory; pass a .gguf file, a "
+                                  "Hugging Face model directory (config.json + model.safetensors) or a hub id")
         cfg = _read_hf_config(cfg_file)
         graphdef, params = assemble_params(cfg, iter_hf_tensors(path, cfg), dtype, place, path)
         tok = Tokenizer.from_dir(path) if os.path.exists(os.path.join(path, "tokenizer.json")) else None
