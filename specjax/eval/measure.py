@@ -46,6 +46,7 @@ from specjax.runtime.decoder import (
     BUFFER_BUCKET, Decoder, Program, _bucket, _validate, prompt_bucket, seed_key,
 )
 from specjax.runtime.settings import DecodeSettings
+from specjax.runtime.loop import verification_mask
 
 __all__ = [
     "prompt_records",
@@ -304,9 +305,12 @@ def _alpha_summary(prompts, betas) -> dict:
 
 # --------------------------------------------------------------------------- (b) costs
 @functools.partial(jax.jit, static_argnames=("graphdef", "cfg"), donate_argnames=("cache",))
-def _target_call(graphdef, cfg, params, tokens, positions, cache, sampling):
-    """One target call as the loop makes it: ``(p [B, T, V] processed, hidden [B, T, D], cache)``."""
-    out = llama.apply(graphdef, params, tokens, positions, cache, cfg, return_hidden=True)
+def _target_call(graphdef, cfg, params, tokens, positions, cache, sampling, tree_mask=None):
+    """One target call as the loop makes it: ``llama.apply`` over ``tokens [B, T]`` (with
+    ``tree_mask [B, T, T]`` for a verification block: :func:`specjax.runtime.loop.verification_mask`
+    for a chain, ``tree.block_attention_mask`` for a tree; ``None`` for a prefill or one token),
+    then ``SamplingParams.process``: ``(p [B, T, V], hidden [B, T, D], cache)``."""
+    out = llama.apply(graphdef, params, tokens, positions, cache, cfg, return_hidden=True, tree_mask=tree_mask)
     return sampling.process(out.logits), out.hidden, out.cache
 
 
@@ -445,9 +449,10 @@ def _target_case(target, prog: Program, b: int, t: int, pos0: int, sp):
     toks = jnp.asarray(_cost_rng(t).integers(2, cfg.vocab_size, (b, t)), jnp.int32)
     pos = jnp.asarray(np.broadcast_to(pos0 + np.arange(t), (b, t)), jnp.int32)
     box = [cache]
+    mask = verification_mask(b, t)
 
     def run():
-        probs, _, box[0] = _target_call(target.graphdef, cfg, target.params, toks, pos, box[0], sp)
+        probs, _, box[0] = _target_call(target.graphdef, cfg, target.params, toks, pos, box[0], sp, mask)
         jax.block_until_ready(probs)
     return run
 
@@ -470,15 +475,6 @@ def _draft_case(cfg, drafter, buf: int, b: int, g: int, pos0: int, sp):
         t, q, _, box[0] = _draft_call(drafter, drafter.params, box[0], ctx, keys, g, vocab)
         jax.block_until_ready((t, q))
     return run
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "cfg"), donate_argnames=("cache",))
-def _tree_target_call(graphdef, cfg, params, tokens, positions, cache, sampling, tree_mask):
-    """One tree verification call as :func:`specjax.runtime.loop._tree_round` makes it:
-    ``llama.apply`` over ``[root, nodes] [B, N+1]`` with ``tree_mask [B, N+1, N+1]``, then
-    ``SamplingParams.process``: ``(p [B, N+1, V], hidden [B, N+1, D], cache)``."""
-    out = llama.apply(graphdef, params, tokens, positions, cache, cfg, return_hidden=True, tree_mask=tree_mask)
-    return sampling.process(out.logits), out.hidden, out.cache
 
 
 @functools.partial(jax.jit, static_argnames=("drafter", "shape", "vocab"), donate_argnames=("state",))
@@ -512,7 +508,7 @@ def _tree_target_case(target, prog: Program, b: int, shape, pos0: int, sp):
     box = [llama.KVCache.create(cfg, b, prog.buffer_len, jnp.dtype(prog.cache_dtype))]
 
     def run():
-        probs, _, box[0] = _tree_target_call(target.graphdef, cfg, target.params, toks, pos, box[0], sp, mask)
+        probs, _, box[0] = _target_call(target.graphdef, cfg, target.params, toks, pos, box[0], sp, mask)
         jax.block_until_ready(probs)
     return run
 

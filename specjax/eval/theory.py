@@ -521,7 +521,9 @@ def _check_shape(nodes: Any, depth: Any, topk: Any) -> tuple[int, int, int]:
     n, d, k = _check_int("nodes", nodes), _check_int("depth", depth), _check_int("topk", topk)
     if d > n:
         raise ValueError(f"depth ({d}) must be <= nodes ({n}): a path of depth D holds D nodes")
-    cap = k + (d - 1) * k * k
+    from specjax.core.drafting import TreeShape
+
+    cap = TreeShape.max_nodes(d, k)
     if n > cap:
         raise ValueError(f"nodes ({n}) must be <= K + (D-1)·K² = {cap} for depth {d} and topk {k}")
     return n, d, k

@@ -208,6 +208,12 @@ def _start(prog: Program, tparams, dparams, prompt, prompt_lengths, max_new, eos
     )
 
 
+def verification_mask(batch: int, t: int):
+    """The ``tree_mask`` of a chain verification call over ``t`` tokens: ``None`` for one token,
+    else a lower-triangular bool ``[batch, t, t]`` (a chain tree; see :func:`_target_step`)."""
+    return None if t == 1 else jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (batch, t, t))
+
+
 def _target_step(prog, tparams, st: DecodeState, inputs, with_hidden):
     """One target call over ``inputs [B, T]`` at positions ``lengths-1 + arange(T)``.
 
@@ -221,9 +227,8 @@ def _target_step(prog, tparams, st: DecodeState, inputs, with_hidden):
     evaluation prompts (tests/test_batch_invariance.py has that prompt)."""
     t = inputs.shape[1]
     pos = (st.lengths - 1)[:, None] + jnp.arange(t, dtype=jnp.int32)
-    chain = None if t == 1 else jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (inputs.shape[0], t, t))
     out = llama.apply(prog.graphdef, tparams, inputs, pos, st.target_cache, prog.cfg, return_hidden=with_hidden,
-                      tree_mask=chain)
+                      tree_mask=verification_mask(inputs.shape[0], t))
     return st.sampling.process(out.logits), out.logits, out.cache, out.hidden
 
 
@@ -270,6 +275,15 @@ def _write_rows(buf, values, starts):
     return jax.vmap(lambda row, v, s: jax.lax.dynamic_update_slice(row, v, (s, *zeros)))(buf, values, starts)
 
 
+def _round_inputs(st: DecodeState, draws: int):
+    """What every round starts from: this round's per-row keys ``[B, draws + 2, 2]`` (``fold_in``
+    of the request key and the round number; the last one is for the residual/bonus draw), the
+    last committed token ``[B, 1]`` and the tokens each row may still emit ``[B]``."""
+    rkeys = jax.vmap(lambda k: jax.random.split(jax.random.fold_in(k, st.round), draws + 2))(st.keys)
+    last = jnp.take_along_axis(st.tokens, (st.lengths - 1)[:, None], axis=1)
+    return rkeys, last, st.max_new - st.stats.new_tokens
+
+
 def _round(prog: Program, tparams, dparams, st: DecodeState) -> DecodeState:
     """One round for every row: a speculative round (drafter → one target call →
     acceptance → commit), or a plain one-token step when nothing can be accepted.
@@ -279,10 +293,8 @@ def _round(prog: Program, tparams, dparams, st: DecodeState) -> DecodeState:
     g = prog.gamma
     width = prog.block
     active = ~st.done
-    rkeys = jax.vmap(lambda k: jax.random.split(jax.random.fold_in(k, st.round), g + 2))(st.keys)  # [B, γ+2, 2]
+    rkeys, last, remaining = _round_inputs(st, g)  # rkeys [B, γ+2, 2]
     res_keys = rkeys[:, g + 1]
-    last = jnp.take_along_axis(st.tokens, (st.lengths - 1)[:, None], axis=1)  # [B, 1]
-    remaining = st.max_new - st.stats.new_tokens
     vocab = prog.cfg.vocab_size
     zeros = jnp.zeros((b,), jnp.int32)
 
@@ -431,10 +443,8 @@ def _tree_round(prog: Program, tparams, dparams, st: DecodeState) -> DecodeState
     nodes, depth = shape.nodes, shape.depth
     width = prog.block  # D + 1
     active = ~st.done
-    rkeys = jax.vmap(lambda k: jax.random.split(jax.random.fold_in(k, st.round), nodes + 2))(st.keys)  # [B, N+2, 2]
+    rkeys, last, remaining = _round_inputs(st, nodes)  # rkeys [B, N+2, 2]
     res_keys = rkeys[:, nodes + 1]
-    last = jnp.take_along_axis(st.tokens, (st.lengths - 1)[:, None], axis=1)  # [B, 1]
-    remaining = st.max_new - st.stats.new_tokens
     vocab = prog.cfg.vocab_size
     zeros = jnp.zeros((b,), jnp.int32)
     no = jnp.zeros((b,), bool)
