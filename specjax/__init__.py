@@ -10,7 +10,12 @@ Lower level: :mod:`specjax.runtime.decoder` (token ids in, token ids out), :mod:
 (the acceptance step), :mod:`specjax.eval.theory` (theory: α, E(N), speedup).
 """
 
-__version__ = "0.1.0"
+from importlib import metadata as _metadata
+
+try:  # one source: pyproject.toml's version, as installed
+    __version__ = _metadata.version("specjax")
+except _metadata.PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "0+unknown"
 
 from specjax.models.config import CheckpointError, ModelConfig, UnsupportedModelError  # noqa: E402
 from specjax.io.loading import Model, load_model  # noqa: E402

@@ -24,9 +24,13 @@ COMMANDS = (generate, bench, analyze, distill)
 def build_parser() -> _Parser:
     """The ``specjax`` parser with every command's subparser."""
     parser = _Parser(prog="specjax", description="Exact speculative decoding in JAX.")
-    from specjax import __version__
+    from importlib import metadata
 
-    parser.add_argument("--version", action="version", version=f"specjax {__version__}")
+    try:
+        version = metadata.version("specjax")
+    except metadata.PackageNotFoundError:
+        version = "0+unknown"
+    parser.add_argument("--version", action="version", version=f"specjax {version}")
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         command.register_cli(sub)
