@@ -569,7 +569,20 @@ def eagle_copy_int8_drafter(target):
     return dataclasses.replace(d, params=eagle.quantize_params(d.params), name="eagle-copy-int8")
 
 
-@pytest.mark.parametrize("kind", ["model", "ngram", "eagle_copy", "eagle_copy_int8"])
+def eagle3_drafter(target):
+    """:func:`eagle_copy_drafter` reading fused features (EAGLE-3: every block's output of the
+    target, through a random ``fuse``)."""
+    from specjax.drafters import eagle
+
+    layers = tuple(range(target.config.num_layers))
+    cfg = eagle.EagleConfig.for_target(target.config, V_SMALL // 2, 32, copy_ngram=3, feature_layers=layers)
+    tp = eagle.init_params(cfg, 9)
+    tp["copy_b"] = jnp.asarray([0.5, 1.5, 3.0], jnp.float32)
+    sub = np.arange(0, V_SMALL, 2, dtype=np.int32)
+    return eagle.EagleDrafter(cfg, {"train": tp, "frozen": eagle.frozen_params(target, sub)}, name="eagle3")
+
+
+@pytest.mark.parametrize("kind", ["model", "ngram", "eagle_copy", "eagle_copy_int8", "eagle3"])
 def test_sampled_distribution_is_the_targets(small_vocab, kind):
     """Chi-square (α = 1e-3 each, fixed keys) of the first 3 tokens of 4000 speculative rows
     (γ = 2, temperature 1; also top-k 3) against the exact autoregressive distribution; a
@@ -582,7 +595,8 @@ def test_sampled_distribution_is_the_targets(small_vocab, kind):
 
     drafter = {"model": lambda: reporting(False), "ngram": lambda: NgramDrafter(3),
                "eagle_copy": lambda: eagle_copy_drafter(sv["target"]),
-               "eagle_copy_int8": lambda: eagle_copy_int8_drafter(sv["target"])}[kind]()
+               "eagle_copy_int8": lambda: eagle_copy_int8_drafter(sv["target"]),
+               "eagle3": lambda: eagle3_drafter(sv["target"])}[kind]()
     dec = make_decoder(sv["target"], drafter, 2)
     prompts = [sv["prompt"]] * N_ROWS
     for top_k, seed in ((0, 0), (3, 1)):

@@ -337,3 +337,30 @@ def test_resume_of_a_checkpoint_with_another_parameter_tree_is_one_line(tmp_path
     msg = str(e.value)
     assert "\n" not in msg and "step 3" in msg and ckdir in msg and "new run" in msg
     assert state.step == 0 and state.params is new
+
+
+def test_fused_features_ttt_learns_and_time_budget_resume_is_bitwise(tiny_setup):
+    """An EAGLE-3-style run (fused features of both blocks, training-time test over 3 steps):
+    held-out α rises at every draft position; a run stopped by ``--time-budget`` and resumed
+    ends bitwise equal to an uninterrupted one; data of another feature width is refused."""
+    from specjax.train import distill
+    from specjax.train.common import DistillError
+
+    fused = ["--feature-layers", "0,1", "--ttt-steps", "3", "--unroll-weight", "1", "--seed", "5"]
+    distill.run(_args(tiny_setup, tiny_setup / "f_data", "--steps", "0", "--eval-every", "0", *fused))
+    data = str(tiny_setup / "f_data" / "data")
+    common = ["--data-dir", data, "--steps", "40", "--checkpoint-every", "10", *fused]
+    ref = distill.run(_args(tiny_setup, tiny_setup / "f_ref", "--eval-every", "40", *common))
+    hist = json.loads((tiny_setup / "f_ref" / "history.json").read_text())
+    first, last = hist[0]["alpha_by_position"], hist[-1]["alpha_by_position"]
+    assert len(last) == 4 and all(b > a + 0.1 for a, b in zip(first[:3], last[:3])), (first, last)
+    part = distill.run(_args(tiny_setup, tiny_setup / "f_cut", "--eval-every", "0", "--time-budget", "1e-9", *common))
+    assert part["step"] == 1
+    done = distill.run(_args(tiny_setup, tiny_setup / "f_cut", "--eval-every", "0", "--resume", *common))
+    assert done["step"] == 40 and ref["step"] == 40
+    a, b = _tensors(tiny_setup / "f_ref"), _tensors(tiny_setup / "f_cut")
+    assert sorted(a) == sorted(b) and "fuse" in a
+    for k in a:
+        assert a[k].tobytes() == b[k].tobytes(), f"{k} differs after a time-budget stop and --resume"
+    with pytest.raises(DistillError, match="features of width"):
+        distill.run(_args(tiny_setup, tiny_setup / "f_bad", "--data-dir", data, "--steps", "1"))

@@ -42,6 +42,21 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--init-from", default=None, metavar="DRAFTER_DIR",
                    help="start from a saved drafter's weights and sub-vocabulary (e.g. models/...; new copy-term "
                         "parameters start at zero)")
+    p.add_argument("--feature-layers", default=None, metavar="I,J,K",
+                   help="EAGLE-3 fused features: the target blocks (0-based) whose outputs the drafter reads, e.g. "
+                        "1,14,27; 'eagle3' = blocks 1, L/2-1 and L-3 of an L-block target; default: the final "
+                        "hidden state (EAGLE-1/2)")
+    p.add_argument("--ttt-steps", type=int, default=3, metavar="K",
+                   help="with --feature-layers: training-time test, the drafter unrolled K steps on its own "
+                        "features with the loss on each (EAGLE-3)")
+    p.add_argument("--text-corpus", default=None, nargs="+", metavar="PATH",
+                   help="also teacher-force the target on the text files under these paths (documentation, "
+                        "READMEs, licences, source code): prefill passes only")
+    p.add_argument("--text-tokens", type=int, default=1_000_000, help="tokens taken from --text-corpus")
+    p.add_argument("--text-window", type=int, default=512, help="tokens per teacher-forced window")
+    p.add_argument("--time-budget", type=float, default=0.0, metavar="SECONDS",
+                   help="stop training after this many seconds (a checkpoint is written; continue with --resume; "
+                        "0 = no limit)")
     p.add_argument("--window", type=int, default=192, help="positions per training window")
     p.add_argument("--max-new-tokens", type=int, default=96, help="target continuation length")
     p.add_argument("--max-prompt-tokens", type=int, default=96, help="keep the last N prompt tokens")

@@ -60,7 +60,7 @@ from specjax.models import llama, weights
 from specjax.core.sampling import sample
 
 COPY_KEYS = ("copy_w", "copy_b")  # the copy term's parameters (present iff copy_ngram > 0)
-TRAINABLE = ("fc", "fc_b", "layer", "out_norm") + COPY_KEYS
+TRAINABLE = ("fc", "fc_b", "layer", "out_norm", "fuse") + COPY_KEYS
 
 
 def block_weights() -> tuple[llama.WeightSpec, ...]:
@@ -86,11 +86,21 @@ class EagleConfig:
     layer: a one-layer :class:`ModelConfig` (width, heads, RoPE, eps of the target; its
       ``intermediate_size`` is the drafter's MLP width; ``vocab_size`` is the TARGET vocab).
     sub_vocab: |S|, rows of the head.
+    copy_ngram: longest n-gram of the copy term (0 = none).
+    feature_layers: the target blocks whose outputs the drafter reads (EAGLE-3's fused low, middle
+      and high features, :func:`specjax.models.llama.target_features`), projected to the width by
+      the trained ``fuse [len·D, D]``; ``()``: the target's final hidden state (EAGLE-1/2).
     """
 
     layer: ModelConfig
     sub_vocab: int
     copy_ngram: int = 0
+    feature_layers: tuple[int, ...] = ()
+
+    @property
+    def feature_size(self) -> int:
+        """Width of the target feature the decode loop hands over (``target_hidden``'s last axis)."""
+        return self.layer.hidden_size * max(1, len(self.feature_layers))
 
     @property
     def hidden_size(self) -> int:
@@ -108,12 +118,13 @@ class EagleConfig:
         l = self.layer
         return {"kind": "eagle", "hidden_size": l.hidden_size, "intermediate_size": l.intermediate_size,
                 "num_heads": l.num_heads, "num_kv_heads": l.num_kv_heads, "head_dim": l.head_dim,
-                "sub_vocab": self.sub_vocab, "vocab_size": l.vocab_size, "copy_ngram": self.copy_ngram}
+                "sub_vocab": self.sub_vocab, "vocab_size": l.vocab_size, "copy_ngram": self.copy_ngram,
+                "feature_layers": list(self.feature_layers)}
 
     @classmethod
     def for_target(cls, target_cfg: ModelConfig, sub_vocab: int, intermediate_size: int | None = None,
                    num_heads: int | None = None, num_kv_heads: int | None = None,
-                   copy_ngram: int = 0) -> "EagleConfig":
+                   copy_ngram: int = 0, feature_layers=()) -> "EagleConfig":
         """A drafter config matching ``target_cfg``'s width, heads and RoPE. ``copy_ngram``:
         longest n-gram of the copy term (0 = no copy term)."""
         if copy_ngram < 0:
@@ -125,7 +136,29 @@ class EagleConfig:
             num_kv_heads=int(num_kv_heads or target_cfg.num_kv_heads),
             head_dim=target_cfg.head_dim if num_heads is None else target_cfg.hidden_size // int(num_heads),
         )
-        return cls(layer=layer, sub_vocab=int(min(sub_vocab, target_cfg.vocab_size)), copy_ngram=int(copy_ngram))
+        return cls(layer=layer, sub_vocab=int(min(sub_vocab, target_cfg.vocab_size)), copy_ngram=int(copy_ngram),
+                   feature_layers=resolve_feature_layers(tuple(feature_layers or ()), target_cfg))
+
+
+def resolve_feature_layers(spec, target_cfg: ModelConfig) -> tuple[int, ...]:
+    """The target blocks a fused-feature drafter reads: ``None``/``()`` → ``()`` (the final hidden
+    state); ``"eagle3"`` → low, middle and high blocks ``(1, L/2 − 1, L − 3)`` of an L-block target
+    (the outputs EAGLE-3's reference code takes: hidden states 2, L/2 and −3 of transformers'
+    ``output_hidden_states``); ``"1,14,27"`` or a sequence of ints → those blocks.
+
+    Raises:
+      ValueError: an index outside the target's blocks, or not integers."""
+    if spec is None or spec == () or spec == "":
+        return ()
+    n = target_cfg.num_layers
+    if spec == "eagle3":
+        return llama.check_feature_layers(sorted({min(1, n - 1), max(0, n // 2 - 1), max(0, n - 3)}), target_cfg)
+    if isinstance(spec, str):
+        try:
+            spec = [int(x) for x in spec.split(",")]
+        except ValueError:
+            raise ValueError(f"feature layers must be comma-separated block indices or eagle3, got {spec!r}") from None
+    return llama.check_feature_layers(spec, target_cfg)
 
 
 def init_params(cfg: EagleConfig, seed: int = 0, target_final_norm=None) -> dict:
@@ -140,6 +173,9 @@ def init_params(cfg: EagleConfig, seed: int = 0, target_final_norm=None) -> dict
     layer = {s.name: llama.init_weight(s, l, lambda: next(rest)) for s in specs}
     out_norm = jnp.ones((d,), jnp.float32) if target_final_norm is None else jnp.asarray(target_final_norm, jnp.float32)
     tp = {"fc": n(ks[0], (2 * d, d)), "fc_b": jnp.zeros((d,), jnp.float32), "layer": layer, "out_norm": out_norm}
+    if cfg.feature_layers:  # unit-RMS inputs of width len·D: N(0, 1/(len·D)) keeps the output near unit RMS
+        fk = jax.random.fold_in(ks[0], 1)
+        tp["fuse"] = jax.random.normal(fk, (cfg.feature_size, d), jnp.float32) / np.sqrt(cfg.feature_size)
     tp.update(init_copy_params(cfg))
     return tp
 
@@ -184,6 +220,15 @@ def frozen_params(target, sub_ids) -> dict:
     return {"embed": emb, "head": jnp.asarray(head, jnp.float32), "sub_ids": sub_ids}
 
 
+def input_features(cfg: EagleConfig, params: dict, hid) -> jax.Array:
+    """The drafter's input feature ``[..., D]`` float32 from the target's ``hid [..., feature_size]``:
+    the fused features projected by ``fuse`` (EAGLE-3), or the final hidden state as it is."""
+    if not cfg.feature_layers:
+        return hid.astype(jnp.float32)
+    tp = params["train"]
+    return llama.matmul(hid.astype(jnp.float32), tp["fuse"], tp.get("fuse_scale"))
+
+
 def new_cache(cfg: EagleConfig, batch: int, max_len: int, dtype=jnp.float32) -> llama.KVCache:
     return llama.KVCache.create(cfg.layer, batch, max_len, dtype)
 
@@ -208,6 +253,74 @@ def forward(cfg: EagleConfig, params: dict, feats, tokens, positions, cache: lla
     x, kc, vc = llama.decoder_block(tp["layer"], x, positions, cache.k[0], cache.v[0], l, tree_mask=tree_mask)
     f = llama.rms_norm(x, tp["out_norm"], l.rms_norm_eps)
     return f, llama.KVCache(k=[kc], v=[vc], lengths=cache.lengths)
+
+
+def _shift(x, k: int):
+    """``x [B, W, ...]`` moved ``k`` positions later along axis 1 (zeros in front): ``y[:, s] = x[:, s-k]``."""
+    if k == 0:
+        return x
+    return jnp.concatenate([jnp.zeros_like(x[:, :k]), x[:, :-k]], axis=1)
+
+
+def ttt_forward(cfg: EagleConfig, params: dict, feats, tokens, steps: int) -> list[jax.Array]:
+    """Training-time test (EAGLE-3, Li et al. 2025, Sec. 3.3): the drafter unrolled ``steps`` times on
+    its own predicted features over a teacher-forced window, every position at once.
+
+    Step 0 is the teacher-forced pass (:func:`forward`, causal): the input at position s is the
+    target's feature ``feats[:, s]`` (h at s − 1, already through :func:`input_features`) with
+    token x_s. Step k ≥ 1 feeds each position s the drafter's own step-(k − 1) output at s − 1,
+    and its attention sees what draft k + 1 sees in the decode loop after the target's true
+    features up to s − k − 1... precisely: step-0 keys at positions ≤ s − k (written by the round's
+    call over true features) and, for each j = 1..k, the step-j key at position s − k + j (the
+    drafts made before it in the same round, and itself). So step k at s is the (k + 1)-th draft of a
+    round whose last committed token is x_{s−k}, with the drafts equal to the true tokens.
+
+    Args:
+      feats: ``[B, W, D]`` float32 input features of step 0 (zeros where there is no previous
+        position); tokens: ``[B, W]`` int32 x_s (positions 0 .. W − 1).
+    Returns:
+      ``steps`` arrays ``[B, W, D]`` float32: f of each step (row s of step k is meaningful for
+      s ≥ k; earlier rows start from the window's zero feature).
+    """
+    l = cfg.layer
+    tp, fz = params["train"], params["frozen"]
+    p = tp["layer"]
+    b, w = tokens.shape
+    kv, hd = l.num_kv_heads, l.head_dim
+    g = l.num_heads // kv
+    inv = jnp.asarray(l.rope_inv_freq())
+    pos = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w))
+    e = jnp.take(fz["embed"], tokens, axis=0).astype(jnp.float32)
+    lin = lambda x, name, bias=None: llama.dense(x, p[name], p.get(bias) if bias else None,  # noqa: E731
+                                                 p.get(name + "_scale"))
+    s_idx = jnp.arange(w)[:, None]
+    t_idx = jnp.arange(w)[None, :]
+    keys, vals, outs = [], [], []
+    x_in = feats.astype(jnp.float32)
+    for k in range(steps):
+        x = llama.dense(jnp.concatenate([x_in, e], axis=-1), tp["fc"], tp["fc_b"], tp.get("fc_scale"))
+        qkv = lin(llama.rms_norm(x, p["attn_norm"], l.rms_norm_eps), "w_qkv", "b_qkv")  # [B, W, KV, G + 2, hd]
+        q = llama.rope(qkv[:, :, :, :g].reshape(b, w, kv * g, hd), pos, inv).reshape(b, w, kv, g, hd)
+        keys.append(llama.rope(qkv[:, :, :, g], pos, inv))  # [B, W, KV, hd]
+        vals.append(qkv[:, :, :, g + 1])
+        scale = 1.0 / np.sqrt(hd)
+        s0 = jnp.einsum("bskgd,btkd->bkgst", q, keys[0]) * scale
+        s0 = jnp.where(t_idx <= s_idx - k, s0, -jnp.inf)  # step-0 keys up to s - k
+        diag = [jnp.where(jnp.arange(w) >= k - j,
+                          jnp.einsum("bskgd,bskd->bkgs", q, _shift(keys[j], k - j)) * scale, -jnp.inf)
+                for j in range(1, k + 1)]  # step-j key at s - k + j
+        sc = jnp.concatenate([s0] + [d[..., None] for d in diag], axis=-1)  # [B, KV, G, W, W + k]
+        pr = jax.nn.softmax(sc, axis=-1)
+        att = jnp.einsum("bkgst,btkd->bskgd", pr[..., :w], vals[0])
+        for j in range(1, k + 1):
+            att = att + jnp.moveaxis(pr[..., w + j - 1], 3, 1)[..., None] * _shift(vals[j], k - j)[:, :, :, None, :]
+        h = x + lin(att.reshape(b, w, kv * g * hd), "wo", "bo")
+        gate_up = lin(llama.rms_norm(h, p["mlp_norm"], l.rms_norm_eps), "w_gate_up")
+        h = h + lin(jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1], "w_down")
+        f = llama.rms_norm(h, tp["out_norm"], l.rms_norm_eps)
+        outs.append(f)
+        x_in = _shift(f, 1)
+    return outs
 
 
 def sub_logits(params: dict, f) -> jax.Array:
@@ -251,6 +364,8 @@ def quantize_params(params: dict) -> dict:
     tp = dict(params["train"])
     layer = dict(tp["layer"])
     tp["fc"], tp["fc_scale"] = llama.quantize_int8(tp["fc"], 0)
+    if "fuse" in tp:
+        tp["fuse"], tp["fuse_scale"] = llama.quantize_int8(tp["fuse"], 0)
     for spec in block_weights():
         if spec.quant_axis is not None:
             layer[spec.name], layer[spec.name + "_scale"] = llama.quantize_int8(layer[spec.name], spec.quant_axis)
@@ -321,7 +436,7 @@ class EagleDrafter:
 
     def init_state(self, params, context: DraftContext, max_len: int):
         b, s = context.tokens.shape
-        h = context.target_hidden  # [B, P, D] prompt hidden states
+        h = input_features(self.config, params, context.target_hidden)  # [B, P, D] prompt features
         p = h.shape[1]
         cache = new_cache(self.config, b, max_len)
         feats = jnp.concatenate([jnp.zeros_like(h[:, :1]), h[:, :-1]], axis=1)
@@ -338,7 +453,7 @@ class EagleDrafter:
         ``(f1 [B, D] the feature at position L − 1, the drafter cache, the features fed [B, W, D])``."""
         lengths = context.lengths
         n = context.last_accepted
-        hid = context.target_hidden  # [B, γ+1, D] (a tree: [B, D+1, D_h], the root and the accepted path)
+        hid = input_features(self.config, params, context.target_hidden)  # [B, γ+1, D] (a tree: [B, D+1, D])
         fresh = state["fresh"]
         hid = jnp.where(fresh[:, None, None], hid.at[:, 0].set(state["h0"]), hid)
         l0 = lengths - n - 1
@@ -527,7 +642,7 @@ def flat_trainable(tp: dict, cfg: EagleConfig) -> dict[str, np.ndarray]:
     """``{file name: array}`` of the trainable parameters; the block's fused weights are written
     as their parts (``layer.wq``, ``layer.wk``, …: the file layout of every drafter so far)."""
     out = {"fc": tp["fc"], "fc_b": tp["fc_b"], "out_norm": tp["out_norm"]}
-    out.update({k: tp[k] for k in COPY_KEYS if k in tp})
+    out.update({k: tp[k] for k in COPY_KEYS + ("fuse",) if k in tp})
     for spec in block_weights():
         for t, a in weights.split(spec, cfg.layer, np.asarray(tp["layer"][spec.name])):
             out[f"layer.{t.name}"] = a
@@ -542,7 +657,7 @@ def unflat_trainable(flat: dict, cfg: EagleConfig) -> dict:
         parts = [f32(flat[f"layer.{t.name}"]) for t in spec.tensors()]
         layer[spec.name] = weights.fuse(spec, cfg.layer, parts) if spec.parts else parts[0]
     tp = {"fc": f32(flat["fc"]), "fc_b": f32(flat["fc_b"]), "out_norm": f32(flat["out_norm"]), "layer": layer}
-    tp.update({k: jnp.asarray(flat[k], jnp.float32) for k in COPY_KEYS if k in flat})
+    tp.update({k: jnp.asarray(flat[k], jnp.float32) for k in COPY_KEYS + ("fuse",) if k in flat})
     return tp
 
 
@@ -606,8 +721,14 @@ def load_drafter(path, target, dtype: str = "float32", name: str = "eagle", chec
                 f"{target.name!r} ({why}); use --draft ngram, or train one for it with `specjax distill`")
     tensors = st_load(raw)
     c = meta["config"]
-    cfg = EagleConfig.for_target(target.config, c["sub_vocab"], c["intermediate_size"], c["num_heads"], c["num_kv_heads"],
-                                 c.get("copy_ngram", 0))
+    try:
+        cfg = EagleConfig.for_target(target.config, c["sub_vocab"], c["intermediate_size"], c["num_heads"],
+                                     c["num_kv_heads"], c.get("copy_ngram", 0), tuple(c.get("feature_layers", ())))
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    if cfg.feature_layers and "fuse" not in tensors:
+        raise CheckpointError(f"{path}: drafter.json sets feature_layers {list(cfg.feature_layers)} but the weights "
+                              "have no 'fuse'; the directory is incomplete or mixed")
     tp = unflat_trainable({k: np.asarray(v, np.float32) for k, v in tensors.items() if k != "sub_ids"},
                           cfg)
     if cfg.copy_ngram and not set(COPY_KEYS) <= set(tp):

@@ -134,24 +134,34 @@ def _sampling_kw(settings: DecodeSettings) -> dict:
 
 
 # --------------------------------------------------------------------------- (a) alpha
-def _teacher(graphdef, cfg, params, tokens, starts, sampling, width, vocab, cache_dtype):
+def _teacher(graphdef, cfg, params, tokens, starts, sampling, width, vocab, cache_dtype, feature_layers=()):
     """One teacher-forced forward over ``tokens [B, L]``: processed next-token distributions
     ``[B, width, vocab]`` at positions ``starts + arange(width)``, and the final hidden
-    states ``[B, L, D]``."""
+    states ``[B, L, D]`` (with ``feature_layers``: the fused features a drafter reads)."""
     b, length = tokens.shape
     cache = llama.KVCache.create(cfg, b, length, cache_dtype)
     pos = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
-    hidden, _ = llama.forward(graphdef, params, tokens, pos, cache, cfg)
+    hidden, _, feats = llama.run_blocks(graphdef, params, tokens, pos, cache, cfg, feature_layers=feature_layers)
     idx = jnp.clip(starts[:, None] + jnp.arange(width, dtype=jnp.int32), 0, length - 1)
     h = jnp.take_along_axis(hidden, idx[:, :, None], axis=1)
     logits = fit_vocab(llama.lm_head(graphdef, params, h, cfg), vocab)
-    return sampling.process(logits), hidden
+    return sampling.process(logits), (feats if feature_layers else hidden)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "width", "vocab", "cache_dtype"))
-def _teacher_probs(graphdef, cfg, params, tokens, starts, sampling, width, vocab, cache_dtype):
+@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "width", "vocab", "cache_dtype", "feature_layers"))
+def _teacher_probs(graphdef, cfg, params, tokens, starts, sampling, width, vocab, cache_dtype, feature_layers=()):
     """:func:`_teacher` (jitted)."""
-    return _teacher(graphdef, cfg, params, tokens, starts, sampling, width, vocab, cache_dtype)
+    return _teacher(graphdef, cfg, params, tokens, starts, sampling, width, vocab, cache_dtype, feature_layers)
+
+
+def _features_of(drafter) -> tuple[int, ...]:
+    """The target blocks ``drafter`` reads (fused features), or ``()``."""
+    return tuple(getattr(getattr(drafter, "config", None), "feature_layers", ()) or ())
+
+
+def _feature_size(cfg, drafter) -> int:
+    """Width of the target feature ``drafter`` reads."""
+    return cfg.hidden_size * max(1, len(_features_of(drafter)))
 
 
 @functools.partial(jax.jit, static_argnames=("tg", "tcfg", "dg", "dcfg", "width", "tdt", "ddt"))
@@ -263,7 +273,7 @@ def _betas_proposed(target, drafter, tok, starts, counts, width, sp_kw, seed, pr
     for i in _progress(range(len(tok)), "alpha", total=len(tok), enabled=progress):
         row = tok[i: i + 1]
         p, hidden = _teacher_probs(target.graphdef, target.config, target.params, jnp.asarray(row),
-                                   jnp.asarray([starts[i]], np.int32), sp1, width, vocab, tdt)
+                                   jnp.asarray([starts[i]], np.int32), sp1, width, vocab, tdt, _features_of(drafter))
         lengths = np.clip(starts[i] + 1 + np.arange(width), 1, length - 1).astype(np.int32)
         buf = jnp.asarray(np.repeat(row, width, axis=0))
         beta, proposed = _betas_generic(drafter, drafter.params, p[0], hidden[0], buf, jnp.asarray(lengths), spw,
@@ -304,13 +314,15 @@ def _alpha_summary(prompts, betas) -> dict:
 
 
 # --------------------------------------------------------------------------- (b) costs
-@functools.partial(jax.jit, static_argnames=("graphdef", "cfg"), donate_argnames=("cache",))
-def _target_call(graphdef, cfg, params, tokens, positions, cache, sampling, tree_mask=None):
+@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "feature_layers"), donate_argnames=("cache",))
+def _target_call(graphdef, cfg, params, tokens, positions, cache, sampling, tree_mask=None, feature_layers=()):
     """One target call as the loop makes it: ``llama.apply`` over ``tokens [B, T]`` (with
     ``tree_mask [B, T, T]`` for a verification block: :func:`specjax.runtime.loop.verification_mask`
     for a chain, ``tree.block_attention_mask`` for a tree; ``None`` for a prefill or one token),
-    then ``SamplingParams.process``: ``(p [B, T, V], hidden [B, T, D], cache)``."""
-    out = llama.apply(graphdef, params, tokens, positions, cache, cfg, return_hidden=True, tree_mask=tree_mask)
+    then ``SamplingParams.process``: ``(p [B, T, V], hidden [B, T, D], cache)`` (``hidden``: the fused
+    features of ``feature_layers`` when given)."""
+    out = llama.apply(graphdef, params, tokens, positions, cache, cfg, return_hidden=True, tree_mask=tree_mask,
+                      feature_layers=feature_layers)
     return sampling.process(out.logits), out.hidden, out.cache
 
 
@@ -452,7 +464,8 @@ def _target_case(target, prog: Program, b: int, t: int, pos0: int, sp):
     mask = verification_mask(b, t)
 
     def run():
-        probs, _, box[0] = _target_call(target.graphdef, cfg, target.params, toks, pos, box[0], sp, mask)
+        probs, _, box[0] = _target_call(target.graphdef, cfg, target.params, toks, pos, box[0], sp, mask,
+                                        prog.feature_layers)
         jax.block_until_ready(probs)
     return run
 
@@ -464,7 +477,7 @@ def _draft_case(cfg, drafter, buf: int, b: int, g: int, pos0: int, sp):
     toks = rng.integers(2, vocab, (b, buf))
     # an n-gram drafter finds a match: repeat the context so lookups succeed as often as in text
     toks[:, pos0 // 2: pos0] = toks[:, : pos0 - pos0 // 2]
-    hid = (0.1 * rng.standard_normal((b, buf, cfg.hidden_size))).astype(np.float32)
+    hid = (0.1 * rng.standard_normal((b, buf, _feature_size(cfg, drafter)))).astype(np.float32)
     toks, lens, zeros = jnp.asarray(toks, jnp.int32), jnp.full((b,), pos0, jnp.int32), jnp.zeros((b,), jnp.int32)
     box = [_draft_init(drafter, drafter.params, DraftContext(toks, lens, sp, jnp.asarray(hid), zeros), buf)]
     # a round after a verify call: γ+1 hidden states of the last target call, n = 0
@@ -508,7 +521,8 @@ def _tree_target_case(target, prog: Program, b: int, shape, pos0: int, sp):
     box = [llama.KVCache.create(cfg, b, prog.buffer_len, jnp.dtype(prog.cache_dtype))]
 
     def run():
-        probs, _, box[0] = _target_call(target.graphdef, cfg, target.params, toks, pos, box[0], sp, mask)
+        probs, _, box[0] = _target_call(target.graphdef, cfg, target.params, toks, pos, box[0], sp, mask,
+                                        prog.feature_layers)
         jax.block_until_ready(probs)
     return run
 
@@ -519,7 +533,7 @@ def _tree_draft_case(cfg, drafter, buf: int, b: int, shape, pos0: int, sp):
     vocab, rng = cfg.vocab_size, _cost_rng(300 + shape.nodes, shape.depth, shape.topk)
     toks = rng.integers(2, vocab, (b, buf))
     toks[:, pos0 // 2: pos0] = toks[:, : pos0 - pos0 // 2]  # n-gram matches, as in _draft_case
-    hid = (0.1 * rng.standard_normal((b, buf, cfg.hidden_size))).astype(np.float32)
+    hid = (0.1 * rng.standard_normal((b, buf, _feature_size(cfg, drafter)))).astype(np.float32)
     toks, lens, zeros = jnp.asarray(toks, jnp.int32), jnp.full((b,), pos0, jnp.int32), jnp.zeros((b,), jnp.int32)
     box = [_draft_init(drafter, drafter.params, DraftContext(toks, lens, sp, jnp.asarray(hid), zeros), buf)]
     ctx = DraftContext(toks, lens, sp, jnp.asarray(hid[:, pos0 - 1: pos0 + shape.depth]), zeros)
@@ -780,7 +794,8 @@ AUTO_METHOD = (
 )
 
 
-def _continuation(target, progs: dict, ids: Sequence[int], n_new: int, sp, rng, eos: set) -> tuple:
+def _continuation(target, progs: dict, ids: Sequence[int], n_new: int, sp, rng, eos: set,
+                  feature_layers: tuple[int, ...] = ()) -> tuple:
     """The target's own continuation of ``ids``, decoded with :func:`_target_call` on a KV
     cache of ``progs[0]``'s buffer (the autoregressive program's): the prompt in one call over
     its padded bucket, as the Decoder's prefill writes it (in bfloat16/int8 a prompt fed token
@@ -799,7 +814,8 @@ def _continuation(target, progs: dict, ids: Sequence[int], n_new: int, sp, rng, 
     def call(tokens, start):
         t = len(tokens)
         probs, h, box[0] = _target_call(target.graphdef, cfg, target.params, jnp.asarray([tokens], jnp.int32),
-                                        jnp.asarray([np.arange(start, start + t)], jnp.int32), box[0], sp)
+                                        jnp.asarray([np.arange(start, start + t)], jnp.int32), box[0], sp,
+                                        None, feature_layers)
         return probs[0], np.asarray(h[0], np.float32)
 
     plen = len(ids)
@@ -870,7 +886,7 @@ def alpha_by_decoding(target, drafter, prompts: Sequence[dict], progs: dict, set
     betas, conts = [], []
     for i, rec in enumerate(prompts):
         rng = None if settings.temperature == 0 else np.random.default_rng([int(settings.seed), i])
-        new, p, hidden = _continuation(target, progs, rec["ids"], new_tokens, sp, rng, eos)
+        new, p, hidden = _continuation(target, progs, rec["ids"], new_tokens, sp, rng, eos, _features_of(drafter))
         keys = np.random.default_rng([int(settings.seed), i, 1])
         betas.append(_betas_first_proposal(target.config, drafter, progs[1], rec["ids"], new, p, hidden, sp, keys))
         conts.append(new)

@@ -570,6 +570,7 @@ def forward(
     cache: KVCache,
     cfg: ModelConfig,
     tree_mask: Bool[Array, "batch seq seq"] | None = None,
+    feature_layers: tuple[int, ...] = (),
 ) -> tuple[Float[Array, "batch seq hidden"], KVCache]:
     """Run the decoder blocks and final norm; write K/V of ``tokens`` into ``cache``.
 
@@ -583,20 +584,55 @@ def forward(
         ``[root, node_0 .. node_{N-1}]`` (T = N + 1); see :func:`decoder_block`, and
         :func:`compact_tree_cache` for the accepted path's K/V afterwards.
 
+      feature_layers: with block indices, return :func:`target_features` of those blocks
+        instead of the final hidden state (EAGLE-3's fused low/mid/high features).
+
     Returns:
-      ``(hidden [B, T, D] float32 after the final RMSNorm, updated cache)``.
+      ``(hidden [B, T, D] float32 after the final RMSNorm, updated cache)``; with
+      ``feature_layers``: ``(features [B, T, len(feature_layers)·D], updated cache)``.
     """
+    h, cache, feats = run_blocks(graphdef, params, tokens, positions, cache, cfg, tree_mask, feature_layers)
+    return (feats if feature_layers else h), cache
+
+
+def target_features(block_outputs: list[jax.Array], eps: float) -> jax.Array:
+    """The feature a fused-feature drafter reads (EAGLE-3, Li et al. 2025, Sec. 3.2): the residual
+    streams after the chosen blocks, each scaled to unit RMS (no weight: the streams of different
+    depths differ in scale by orders of magnitude), concatenated: ``[..., len(block_outputs)·D]``
+    float32."""
+    return jnp.concatenate([x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+                            for x in block_outputs], axis=-1)
+
+
+def check_feature_layers(feature_layers, cfg: ModelConfig) -> tuple[int, ...]:
+    """``feature_layers`` as a tuple of block indices, each in ``[0, num_layers)``.
+
+    Raises:
+      ValueError: an index outside the model's blocks."""
+    out = tuple(int(i) for i in feature_layers)
+    bad = [i for i in out if not 0 <= i < cfg.num_layers]
+    if bad:
+        raise ValueError(f"feature layers {bad} are not blocks of a {cfg.num_layers}-block model "
+                         f"(use indices 0..{cfg.num_layers - 1})")
+    return out
+
+
+def run_blocks(graphdef, params, tokens, positions, cache, cfg, tree_mask=None, feature_layers=()):
+    """The blocks and final norm: ``(final hidden [B, T, D], cache, fused features or None)`` (:func:`forward`)."""
     model = nnx.merge(graphdef, params)
     inv_freq = jnp.asarray(cfg.rope_inv_freq())
     h = embed_tokens(model, tokens)
-    new_k, new_v = [], []
+    new_k, new_v, picked = [], [], {}
     for i, layer in enumerate(model.layers):
         h, kc, vc = decoder_block(_arrays(layer), h, positions, cache.k[i], cache.v[i], cfg, inv_freq=inv_freq,
                                   tree_mask=tree_mask)
         new_k.append(kc)
         new_v.append(vc)
+        if i in feature_layers:
+            picked[i] = h
+    feats = target_features([picked[i] for i in feature_layers], cfg.rms_norm_eps) if feature_layers else None
     h = rms_norm(h, model.final_norm[...], cfg.rms_norm_eps)
-    return h, KVCache(k=new_k, v=new_v, lengths=cache.lengths)
+    return h, KVCache(k=new_k, v=new_v, lengths=cache.lengths), feats
 
 
 def lm_head(graphdef, params, hidden: Float[Array, "... hidden"], cfg: ModelConfig) -> Float[Array, "... vocab"]:
@@ -631,14 +667,18 @@ def apply(
     cfg: ModelConfig,
     return_hidden: bool = False,
     tree_mask: Bool[Array, "batch seq seq"] | None = None,
+    feature_layers: tuple[int, ...] = (),
 ) -> Output:
-    """Full model: ``Output(logits [B, T, V] float32, cache, hidden [B, T, D] or None)``.
+    """Full model: ``Output(logits [B, T, V] float32, cache, hidden [B, T, D] or None)``; with
+    ``return_hidden`` and ``feature_layers``, ``hidden`` is the fused feature
+    ``[B, T, len(feature_layers)·D]`` (:func:`target_features`).
 
     See :func:`forward` for the argument contract (``tree_mask``: tree attention).
     """
-    h, cache = forward(graphdef, params, tokens, positions, cache, cfg, tree_mask=tree_mask)
+    h, cache, feats = run_blocks(graphdef, params, tokens, positions, cache, cfg, tree_mask,
+                           feature_layers if return_hidden else ())
     logits = lm_head(graphdef, params, h, cfg)
-    return Output(logits, cache, h if return_hidden else None)
+    return Output(logits, cache, (feats if feature_layers else h) if return_hidden else None)
 
 
 def param_bytes(params) -> int:

@@ -160,6 +160,16 @@ class Program:
                              f"got drafter {self.drafter!r}, gamma {self.gamma}")
 
     @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target blocks a fused-feature drafter reads (``()``: the final hidden state)."""
+        return tuple(getattr(getattr(self.drafter, "config", None), "feature_layers", ()) or ())
+
+    @property
+    def feature_size(self) -> int:
+        """Width of ``target_hidden``: the final hidden state, or the fused features."""
+        return self.cfg.hidden_size * max(1, len(self.feature_layers))
+
+    @property
     def block(self) -> int:
         """Tokens one round may commit: γ + 1 with a drafter (a tree: D + 1), else 1."""
         return self.gamma + 1 if self.drafter is not None else 1
@@ -179,14 +189,14 @@ def _start(prog: Program, tparams, dparams, prompt, prompt_lengths, max_new, eos
     cache = llama.KVCache.create(prog.cfg, b, prog.buffer_len, jnp.dtype(prog.cache_dtype))
     pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     # K/V of every prompt slot (slots ≥ length-1 hold stale values that later writes replace)
-    h, cache = llama.forward(prog.graphdef, tparams, prompt, pos, cache, prog.cfg)
+    h, cache = llama.forward(prog.graphdef, tparams, prompt, pos, cache, prog.cfg, feature_layers=prog.feature_layers)
     cache = dataclasses.replace(cache, lengths=prompt_lengths - 1)
     # Feature-level drafters read the target's hidden states of the prompt ([B, P, D]).
     ctx = DraftContext(tokens, prompt_lengths, sampling, h, jnp.zeros((b,), jnp.int32))
     dstate = prog.drafter.init_state(dparams, ctx, prog.buffer_len) if prog.drafter is not None else ()
     hidden = None
     if prog.drafter is not None:
-        hidden = jnp.zeros((b, prog.gamma + 1, prog.cfg.hidden_size), jnp.float32)
+        hidden = jnp.zeros((b, prog.gamma + 1, prog.feature_size), jnp.float32)
     return DecodeState(
         tokens=tokens,
         lengths=prompt_lengths,
@@ -228,7 +238,7 @@ def _target_step(prog, tparams, st: DecodeState, inputs, with_hidden):
     t = inputs.shape[1]
     pos = (st.lengths - 1)[:, None] + jnp.arange(t, dtype=jnp.int32)
     out = llama.apply(prog.graphdef, tparams, inputs, pos, st.target_cache, prog.cfg, return_hidden=with_hidden,
-                      tree_mask=verification_mask(inputs.shape[0], t))
+                      tree_mask=verification_mask(inputs.shape[0], t), feature_layers=prog.feature_layers)
     return st.sampling.process(out.logits), out.logits, out.cache, out.hidden
 
 
@@ -469,7 +479,8 @@ def _tree_round(prog: Program, tparams, dparams, st: DecodeState) -> DecodeState
     def spec(st, dstate):
         inputs = jnp.concatenate([last, tree.tokens], axis=1)  # [B, N+1]
         out = llama.apply(prog.graphdef, tparams, inputs, tree_ops.positions(tree, st.lengths), st.target_cache,
-                          prog.cfg, return_hidden=True, tree_mask=tree_ops.block_attention_mask(tree))
+                          prog.cfg, return_hidden=True, tree_mask=tree_ops.block_attention_mask(tree),
+                          feature_layers=prog.feature_layers)
         p = st.sampling.process(out.logits)  # [B, N+1, V]
         acc = tree_ops.verify_tree(tree, p, u, res_keys, prop.scheme)
         n, path = acc.n, acc.path
@@ -528,7 +539,7 @@ def _size_for_gamma(st: DecodeState, prog: Program) -> DecodeState:
     # distinct buffers (the run program donates the state; Stats.zeros shares one array)
     stats = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), Stats.zeros(b, prog.gamma))
     return dataclasses.replace(
-        st, target_hidden=jnp.zeros((b, prog.gamma + 1, prog.cfg.hidden_size), jnp.float32), stats=stats
+        st, target_hidden=jnp.zeros((b, prog.gamma + 1, prog.feature_size), jnp.float32), stats=stats
     )
 
 

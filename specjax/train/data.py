@@ -29,7 +29,7 @@ def _topk_stats(logits, topk: int):
     return jnp.exp(tv), ti.astype(jnp.int32), jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
-def _gen_fn(target, prompt_len: int, max_new: int, topk: int):
+def _gen_fn(target, prompt_len: int, max_new: int, topk: int, feature_layers: tuple[int, ...] = ()):
     """Jitted generation that also returns what training needs, so no separate teacher
     pass is run: per position the target's final hidden state, top-k probabilities and
     argmax (prefill positions and generated positions).
@@ -37,7 +37,9 @@ def _gen_fn(target, prompt_len: int, max_new: int, topk: int):
     ``f(params, prompt [b, p] int32, lengths [b] int32, temps [b] float32, seeds [b] int32)``:
     a row with ``temps == 0`` continues greedily; otherwise it samples from
     softmax(logits / temp) with keys folded from its seed and the step (reproducible).
-    The stored top-k / argmax are always the target's temperature-1 distribution."""
+    The stored top-k / argmax are always the target's temperature-1 distribution. With
+    ``feature_layers`` the hidden state is the fused feature of those blocks
+    (:func:`specjax.models.llama.target_features`)."""
     import jax
     import jax.numpy as jnp
 
@@ -59,7 +61,7 @@ def _gen_fn(target, prompt_len: int, max_new: int, topk: int):
         keys = jax.vmap(jax.random.PRNGKey)(seeds)
         cache = llama.KVCache.create(cfg, b, p + max_new + 1, jnp.float32)
         pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-        out = llama.apply(gd, params, prompt, pos, cache, cfg, return_hidden=True)
+        out = llama.apply(gd, params, prompt, pos, cache, cfg, return_hidden=True, feature_layers=feature_layers)
         pp, pi, pa = stats(out.logits)
         last = (lengths - 1)[:, None]
         first = choose(jnp.take_along_axis(out.logits, last[:, :, None], axis=1)[:, 0],
@@ -67,7 +69,8 @@ def _gen_fn(target, prompt_len: int, max_new: int, topk: int):
 
         def step(carry, i):
             tok, cache = carry
-            o = llama.apply(gd, params, tok[:, None], (lengths + i)[:, None], cache, cfg, return_hidden=True)
+            o = llama.apply(gd, params, tok[:, None], (lengths + i)[:, None], cache, cfg, return_hidden=True,
+                            feature_layers=feature_layers)
             sp, si, sa = stats(o.logits[:, 0])
             nxt = choose(o.logits[:, 0], sa, temps, keys, i)
             return (nxt, o.cache), (tok, o.hidden[:, 0], sp, si, sa)
@@ -127,7 +130,8 @@ def _onpolicy_fn(target, dcfg, prompt_len: int, max_new: int, topk: int):
 
 
 def generate_data(target, records, *, max_new_tokens, batch, chat, max_prompt_tokens, topk, parts_dir,
-                  first_ids=(), drafter=None, log=print, samples=1, temperature=0.8, seed=0, greedy_only=()):
+                  first_ids=(), drafter=None, log=print, samples=1, temperature=0.8, seed=0, greedy_only=(),
+                  feature_layers=()):
     """Greedy target continuations of the (chat-templated) prompts, each prompt cut to its
     last ``max_prompt_tokens`` tokens (the hidden states are then exact for that cut
     input), with the target's hidden states / top-k / argmax at every position.
@@ -135,7 +139,8 @@ def generate_data(target, records, *, max_new_tokens, batch, chat, max_prompt_to
     Batches of ``batch`` prompts are written as they finish (``parts_dir/part_NNNN.npz``,
     atomically; arrays ``hidden`` [N, D] float32, ``topk_p`` [N, topk] float32, ``topk_idx``
     [N, topk] int32, ``argmax`` [N] int32 over the N positions of the part's sequences, and
-    ``seqs`` as JSON) and a restart skips the parts already there; records in ``first_ids``
+    ``seqs`` as JSON; with ``feature_layers``, ``hidden`` holds the fused features
+    ``[N, len(feature_layers)·D]`` as float16: unit-RMS values, far inside its range) and a restart skips the parts already there; records in ``first_ids``
     (e.g. the eval questions) go first. Returns nothing: read the parts with
     :func:`collect_parts`. With ``drafter = (EagleConfig, params)`` the continuations are the
     drafter's greedy first drafts instead, scored by the target (:func:`_onpolicy_fn`).
@@ -167,10 +172,10 @@ def generate_data(target, records, *, max_new_tokens, batch, chat, max_prompt_to
         if os.path.exists(part):
             continue
         if f is None:
-            f = _generation_fn(target, drafter, p, max_new_tokens, topk)
+            f = _generation_fn(target, drafter, p, max_new_tokens, topk, feature_layers)
         chunk = items[lo: lo + batch]
         outs = _generate_batch(f, target, chunk, batch, p, temperature, seed)
-        _write_part(part, *_part_arrays(outs, chunk, eos, seed, source))
+        _write_part(part, *_part_arrays(outs, chunk, eos, seed, source), half=bool(feature_layers))
         log(f"generated {min(lo + batch, len(items))}/{len(items)} sequences ({time.time() - t0:.0f}s)")
 
 
@@ -187,10 +192,13 @@ def _generation_items(target, records, chat, max_prompt_tokens, samples, first_i
     return items
 
 
-def _generation_fn(target, drafter, p, max_new_tokens, topk):
+def _generation_fn(target, drafter, p, max_new_tokens, topk, feature_layers=()):
     """The jitted generation of :func:`generate_data`: ``f(params, prompt, lens, temps, seeds)``."""
     if drafter is None:
-        return _gen_fn(target, p, max_new_tokens, topk)
+        return _gen_fn(target, p, max_new_tokens, topk, feature_layers)
+    if feature_layers:
+        raise DistillError("on-policy data (--data drafter/both) is not implemented for fused-feature drafters "
+                           "(--feature-layers); use --data target")
     g = _onpolicy_fn(target, drafter[0], p, max_new_tokens, topk)
     return lambda params, prompt, lens, temps, seeds: g(params, drafter[1], prompt, lens)
 
@@ -234,10 +242,11 @@ def _part_arrays(outs, chunk, eos, seed, source):
     return seqs, hid, tps, tis, ams
 
 
-def _write_part(part, seqs, hid, tps, tis, ams):
-    """Write one part file atomically (a temporary file renamed)."""
+def _write_part(part, seqs, hid, tps, tis, ams, half: bool = False):
+    """Write one part file atomically (a temporary file renamed); ``half``: hidden as float16."""
     tmp = part + ".tmp.npz"
-    np.savez(tmp, seqs=np.array(json.dumps(seqs)), hidden=np.concatenate(hid).astype(np.float32),
+    np.savez(tmp, seqs=np.array(json.dumps(seqs)),
+             hidden=np.concatenate(hid).astype(np.float16 if half else np.float32),
              topk_p=np.concatenate(tps).astype(np.float32), topk_idx=np.concatenate(tis).astype(np.int32),
              argmax=np.concatenate(ams).astype(np.int32))
     os.replace(tmp, part)
@@ -378,14 +387,21 @@ def load_data(path: str) -> tuple[list[dict], dict]:
     return seqs, arrays
 
 
+TEXT_COUNT_WEIGHT = 1 / 8  # a teacher-forced text token counts 1/8 of a chat token for the sub-vocabulary
+
+
 def choose_sub_vocab(seqs: list[dict], vocab_size: int, k: int) -> np.ndarray:
     """The ``k`` most frequent token ids in ``seqs`` (ties by lowest id), filled up with the
     lowest unused ids (earliest BPE merges ≈ most frequent in the tokenizer's corpus).
-    Returns ``min(k, vocab_size)`` distinct ids, sorted, int32."""
+    Tokens of teacher-forced installed text (``source`` ``"text"``) count
+    :data:`TEXT_COUNT_WEIGHT` each: the drafter serves chat answers, and that text (much of it
+    code) would otherwise decide the head. Returns ``min(k, vocab_size)`` distinct ids, sorted, int32."""
     k = min(k, vocab_size)
     c = Counter()
     for s in seqs:
-        c.update(s["ids"])
+        w = TEXT_COUNT_WEIGHT if s.get("source") == "text" else 1.0
+        for t in s["ids"]:
+            c[t] += w
     ranked = sorted(c.items(), key=lambda kv: (-kv[1], kv[0]))
     chosen = [i for i, _ in ranked[:k] if i < vocab_size]
     have = set(chosen)
@@ -396,3 +412,157 @@ def choose_sub_vocab(seqs: list[dict], vocab_size: int, k: int) -> np.ndarray:
         i += 1
     return np.array(sorted(chosen), np.int32)
 
+
+
+# ---------------------------------------------------------------- teacher forcing on installed text
+PROSE_SUFFIXES = (".md", ".rst", ".txt")  # and files named METADATA, README, LICENSE, COPYING
+CODE_SUFFIXES = (".py",)
+
+
+def _text_kind(path: str) -> str | None:
+    """``"prose"``, ``"code"`` or None (not used) for a file name."""
+    base = os.path.basename(path)
+    if base.endswith(CODE_SUFFIXES):
+        return "code"
+    if base.endswith(PROSE_SUFFIXES) or base.split(".")[0] in ("METADATA", "README", "LICENSE", "COPYING"):
+        return "prose"
+    return None
+
+
+def text_files(roots: list[str], min_bytes: int = 1024, max_bytes: int = 4 << 20) -> dict[str, list[str]]:
+    """The prose and code files under ``roots`` (files or directories, walked in sorted order,
+    symlinks not followed) of ``min_bytes .. max_bytes``: ``{"prose": [...], "code": [...]}``.
+
+    Raises:
+      DistillError: a root that does not exist."""
+    out = {"prose": [], "code": []}
+    for root in roots:
+        if not os.path.exists(root):
+            raise DistillError(f"--text-corpus {root}: no such file or directory")
+        walk = [(os.path.dirname(root), [], [os.path.basename(root)])] if os.path.isfile(root) else os.walk(root)
+        for d, dirs, files in walk:
+            dirs.sort()
+            for name in sorted(files):
+                p = os.path.join(d, name)
+                kind = _text_kind(p)
+                if kind and not os.path.islink(p) and min_bytes <= os.path.getsize(p) <= max_bytes:
+                    out[kind].append(p)
+    return out
+
+
+def _norm(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+def text_windows(target, roots: list[str], max_tokens: int, window: int, *, exclude=(), seed: int = 0,
+                 prose_share: float = 0.65, per_file: int = 2048, log=print) -> list[dict]:
+    """Windows of ``window`` tokens of installed text for teacher forcing: a seeded shuffle of the
+    files under ``roots`` (:func:`text_files`), ``prose_share`` of the tokens from prose
+    (documentation, READMEs, package metadata, licences) and the rest from source code, at most
+    ``per_file`` tokens from any one file (many sources rather than a few long ones). Files whose
+    normalized text repeats one already taken, or that contain one of the ``exclude`` texts
+    (normalized; e.g. the held-out questions), are skipped. Returns records ``{"question_id":
+    "text-<i>", "category": "text-prose"|"text-code", "ids": [window ids], "path": file}`` with
+    at most ``max_tokens`` tokens in all.
+
+    Raises:
+      DistillError: the target has no tokenizer, or nothing usable under ``roots``."""
+    import hashlib
+    import random
+
+    tok = target.tokenizer
+    if tok is None:
+        raise DistillError("--text-corpus needs a target with a tokenizer")
+    files = text_files(roots)
+    rng = random.Random(seed)
+    for v in files.values():
+        rng.shuffle(v)
+    excl = [_norm(x) for x in exclude if len(_norm(x)) >= 24]
+    budget = {"prose": int(max_tokens * prose_share), "code": max_tokens - int(max_tokens * prose_share)}
+    seen, out, skipped = set(), [], 0
+    for kind in ("prose", "code"):
+        got = 0
+        for p in files[kind]:
+            if got >= budget[kind]:
+                break
+            try:
+                with open(p, encoding="utf-8") as fh:
+                    text = fh.read()
+            except (UnicodeDecodeError, OSError):
+                continue
+            n = _norm(text)
+            h = hashlib.sha1(n.encode()).hexdigest()
+            if h in seen or any(e in n for e in excl):
+                skipped += h not in seen
+                continue
+            seen.add(h)
+            ids = tok.encode(text, add_special_tokens=False)[:per_file]
+            for lo in range(0, len(ids) - window // 4, window):
+                w = ids[lo: lo + window]
+                if got >= budget[kind]:
+                    break
+                out.append({"question_id": f"text-{len(out)}", "category": f"text-{kind}", "ids": w, "path": p})
+                got += len(w)
+        log(f"text corpus: {got} {kind} tokens from {sum(1 for r in out if r['category'] == 'text-' + kind and r['ids'])}"
+            f" windows ({len(files[kind])} {kind} files found)")
+    if skipped:
+        log(f"text corpus: {skipped} files skipped (containing a held-out text)")
+    if not out:
+        raise DistillError(f"--text-corpus {' '.join(roots)}: no prose or code files found")
+    return out
+
+
+def _prefill_fn(target, window: int, topk: int, feature_layers: tuple[int, ...]):
+    """Jitted ``f(params, ids [b, window] int32)`` → ``(hidden, topk_p, topk_idx, argmax)`` per position
+    (one prefill pass: teacher forcing)."""
+    import jax
+    import jax.numpy as jnp
+
+    from specjax.models import llama
+
+    cfg, gd = target.config, target.graphdef
+
+    @jax.jit
+    def f(params, ids):
+        b = ids.shape[0]
+        cache = llama.KVCache.create(cfg, b, window, jnp.float32)
+        pos = jnp.broadcast_to(jnp.arange(window, dtype=jnp.int32), (b, window))
+        out = llama.apply(gd, params, ids, pos, cache, cfg, return_hidden=True, feature_layers=feature_layers)
+        return (out.hidden,) + _topk_stats(out.logits, topk)
+
+    return f
+
+
+def teacher_forced_data(target, windows: list[dict], *, window: int, batch: int, topk: int, parts_dir: str,
+                        feature_layers=(), log=print) -> None:
+    """The target's hidden states (or fused features), top-k probabilities and argmax at every
+    position of the ``windows`` (:func:`text_windows`), by prefill passes of ``batch`` windows
+    (no decoding: far faster than :func:`generate_data`). Written in parts as
+    :func:`generate_data` (same arrays; a restart skips finished parts); each sequence has
+    ``prompt_len`` 1 (every position predicts a text token) and ``source`` ``"text"``."""
+    os.makedirs(parts_dir, exist_ok=True)
+    f = None
+    t0, done = time.time(), 0
+    total = sum(len(w["ids"]) for w in windows)
+    for bi, lo in enumerate(range(0, len(windows), batch)):
+        chunk = windows[lo: lo + batch]
+        part = os.path.join(parts_dir, f"part_{bi:04d}.npz")
+        done += sum(len(w["ids"]) for w in chunk)
+        if os.path.exists(part):
+            continue
+        if f is None:
+            f = _prefill_fn(target, window, topk, tuple(feature_layers))
+        ids = np.zeros((batch, window), np.int32)
+        for j, w in enumerate(chunk):
+            ids[j, : len(w["ids"])] = w["ids"]
+        hid, tp, ti, am = (np.asarray(x) for x in f(target.params, ids))
+        seqs, parts = [], ([], [], [], [])
+        for j, w in enumerate(chunk):
+            n = len(w["ids"])
+            seqs.append({"question_id": w["question_id"], "category": w["category"], "ids": list(w["ids"]),
+                         "prompt_len": 1, "turn": 0, "sample": 0, "seed": 0, "source": "text"})
+            for acc, a in zip(parts, (hid, tp, ti, am)):
+                acc.append(a[j, :n])
+        _write_part(part, seqs, *parts, half=bool(feature_layers))
+        el = time.time() - t0
+        log(f"teacher forcing: {done}/{total} tokens ({el:.0f}s, {done / max(el, 1e-9):.0f} tokens/s)")

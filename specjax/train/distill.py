@@ -47,9 +47,10 @@ import numpy as np
 from specjax.train.batches import build_batch, make_windows, sub_positions, window_order
 from specjax.train.benchmark import bench  # specjax.train.distill.bench: the --bench entry point
 from specjax.train.common import DistillError, log
-from specjax.train.data import choose_sub_vocab, collect_data, collect_parts, generate_data, self_prompts
+from specjax.train.data import (choose_sub_vocab, collect_data, collect_parts, generate_data, self_prompts,
+                                teacher_forced_data, text_windows)
 from specjax.train.export import export_drafter
-from specjax.train.loop import (TrainState, evaluate, make_eval_fn, make_optimizer, make_train_step,
+from specjax.train.loop import (TrainState, evaluate, format_alphas, make_eval_fn, make_optimizer, make_train_step,
                                 open_checkpoints, record_eval, restore_latest, train)
 from specjax.train.options import RUN_KEYS, check_args, check_out_dir, not_started
 from specjax.train.records import generation_order, make_split, read_records, read_split, round_robin
@@ -70,11 +71,19 @@ class _Run:
     ev_ids: set
     chat: bool
 
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target blocks a fused-feature drafter reads (``--feature-layers``), or ``()``."""
+        from specjax.drafters import eagle
+
+        return eagle.resolve_feature_layers(self.s.feature_layers, self.target.config)
+
     def generate(self, recs: list[dict], parts_dir: str, **kw) -> None:
         """:func:`specjax.train.data.generate_data` with the run's generation settings."""
         s = self.s
         generate_data(self.target, recs, max_new_tokens=s.max_new_tokens, batch=s.gen_batch, chat=self.chat,
-                      max_prompt_tokens=s.max_prompt_tokens, topk=s.topk, parts_dir=parts_dir, log=log, **kw)
+                      max_prompt_tokens=s.max_prompt_tokens, topk=s.topk, parts_dir=parts_dir, log=log,
+                      feature_layers=self.feature_layers, **kw)
 
 
 def run(args) -> dict:
@@ -91,6 +100,11 @@ def run(args) -> dict:
         without a checkpoint.
       ValueError: unreadable prompts (naming the file and line).
     """
+    import math
+
+    tb = getattr(args, "time_budget", 0.0) or 0.0
+    if not (math.isfinite(tb) and tb >= 0):
+        raise DistillError(f"--time-budget must be a number of seconds >= 0 (0 = no limit), got {tb}")
     r = _load(_open_run(args), args)
     seqs, data = _make_data(r)
     train_idx, eval_idx = _split_indices(seqs, r.ev_ids)
@@ -105,9 +119,11 @@ def run(args) -> dict:
         "steps": s.steps, "seed": s.seed, "train_sequences": len(train_idx),
         "train_tokens": int(sum(len(seqs[i]["ids"]) for i in train_idx)), "eval": final,
         "init_from": s.init_from, "train_only": s.train_only, "fit_sequences": len(fit_idx)})
-    log(f"done: {s.steps} steps ({train_s:.0f}s this session), α = {final.get('alpha', float('nan')):.3f}; "
-        f"drafter in {dd}")
-    return {"out": r.out, "final": final, "train_s": train_s}
+    stopped = state.step < s.steps
+    log(f"{'stopped (time budget)' if stopped else 'done'}: {state.step} of {s.steps} steps ({train_s:.0f}s this "
+        f"session), α by draft position {format_alphas(final)}; drafter in {dd}"
+        + (f"; continue with: specjax distill --out {r.out} --resume" if stopped else ""))
+    return {"out": r.out, "final": final, "train_s": train_s, "step": state.step}
 
 
 def _open_run(args) -> tuple[str, argparse.Namespace]:
@@ -178,6 +194,13 @@ def _make_data(r: _Run) -> tuple[list[dict], dict]:
                             batch=s.gen_batch, log=log)
         r.generate(recs, os.path.join(out, "data_self"))
         data_dirs = data_dirs + [os.path.join(out, "data_self")]
+    if s.text_corpus:
+        held_out = [t for q in r.records if q["question_id"] in r.ev_ids for t in q.get("turns", [])]
+        windows = text_windows(r.target, list(s.text_corpus), s.text_tokens, s.text_window, exclude=held_out,
+                               seed=s.seed, log=log)
+        teacher_forced_data(r.target, windows, window=s.text_window, batch=max(1, s.gen_batch // 4), topk=s.topk,
+                            parts_dir=os.path.join(out, "data_text"), feature_layers=r.feature_layers, log=log)
+        data_dirs = data_dirs + [os.path.join(out, "data_text")]
     return collect_data(data_dirs)
 
 
@@ -222,7 +245,8 @@ def _init_drafter(s, target, sub_ids, init):
     copy term too if it has the same one; otherwise a fresh, zero copy term, or none)."""
     from specjax.drafters import eagle
 
-    cfg = eagle.EagleConfig.for_target(target.config, len(sub_ids), s.intermediate, copy_ngram=s.copy_ngram)
+    cfg = eagle.EagleConfig.for_target(target.config, len(sub_ids), s.intermediate, copy_ngram=s.copy_ngram,
+                                       feature_layers=eagle.resolve_feature_layers(s.feature_layers, target.config))
     frozen = eagle.frozen_params(target, sub_ids)
     if init is None:
         return cfg, frozen, eagle.init_params(cfg, s.seed, target.params["final_norm"][...])
@@ -241,7 +265,12 @@ def _train(r: _Run, args, seqs, data, split_idx, sub_ids, sub_pos, init):
     cfg, frozen, tp = _init_drafter(s, r.target, sub_ids, init)
     opt = make_optimizer(s.steps, s.lr, s.warmup, s.weight_decay, freeze_base=s.train_only == "copy")
     state = TrainState(tp, opt.init(tp))
-    step_fn = make_train_step(cfg, opt, s.ce_weight, s.unroll_weight, s.ce == "full")
+    step_fn = make_train_step(cfg, opt, s.ce_weight, s.unroll_weight, s.ce == "full", ttt_steps=s.ttt_steps or 3)
+    width = data["hidden"].shape[1]
+    if width != cfg.feature_size:
+        raise DistillError(f"the data set holds target features of width {width}, but this drafter reads "
+                           f"{cfg.feature_size} (--feature-layers {s.feature_layers}): use data made with the same "
+                           "--feature-layers")
     ev_fn = make_eval_fn(cfg)
     ckdir = os.path.join(out, "ckpt")
     mngr = open_checkpoints(ckdir)
@@ -255,11 +284,11 @@ def _train(r: _Run, args, seqs, data, split_idx, sub_ids, sub_pos, init):
     def batch_for(step):  # depends only on (seed, step): exact resume
         idx = window_order(s.seed, step, s.batch_size, len(ds["windows"]))
         return build_batch(ds["seqs"], ds["data"], [ds["windows"][i] for i in idx], sub_pos, s.window,
-                           cfg.hidden_size, copy_ngram=s.copy_ngram)
+                           cfg.feature_size, copy_ngram=s.copy_ngram)
 
     def eval_at(step):
         return record_eval(out, state, step, evaluate(ev_fn, state.params, frozen, seqs, data, eval_idx, sub_pos,
-                                                      s.window, cfg.hidden_size, s.batch_size, s.copy_ngram))
+                                                      s.window, cfg.feature_size, s.batch_size, s.copy_ngram))
 
     if getattr(args, "export_only", False):  # write DIR/drafter from the latest checkpoint, no training
         if latest is None:
@@ -269,10 +298,11 @@ def _train(r: _Run, args, seqs, data, split_idx, sub_ids, sub_pos, init):
         add_onpolicy(state.params)
     if state.step == 0 and s.eval_every and s.steps > 0:
         r0 = eval_at(0)
-        log(f"step 0: α = {r0['alpha']:.3f} (second draft {r0['alpha2']:.3f})")
+        log(f"step 0: α by draft position {format_alphas(r0)}")
     train_s = train(state, mngr, steps=s.steps, step_fn=step_fn, frozen=frozen, batch_for=batch_for,
                     eval_at=eval_at, eval_every=s.eval_every, checkpoint_every=s.checkpoint_every,
-                    onpolicy_after=s.onpolicy_after if onpolicy else None, add_onpolicy=add_onpolicy)
+                    onpolicy_after=s.onpolicy_after if onpolicy else None, add_onpolicy=add_onpolicy,
+                    time_budget=getattr(args, "time_budget", 0.0) or 0.0, tokens_per_step=s.batch_size * s.window)
     return cfg, state, train_s, fit_idx
 
 

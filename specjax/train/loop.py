@@ -14,7 +14,9 @@ import numpy as np
 
 from specjax.train.batches import build_batch, make_windows
 from specjax.train.common import log
-from specjax.train.losses import loss_parts
+from specjax.train.losses import loss_parts, ttt_loss_parts
+
+EVAL_POSITIONS = 4  # draft positions whose teacher-forced α an evaluation reports (fused-feature drafters)
 
 
 @dataclasses.dataclass
@@ -29,7 +31,7 @@ class TrainState:
     history: list = dataclasses.field(default_factory=list)
 
 
-def make_train_step(cfg, opt, ce_weight, unroll_weight, full_ce=True):
+def make_train_step(cfg, opt, ce_weight, unroll_weight, full_ce=True, ttt_steps=3):
     """The jitted training step ``step(tp, opt_state, frozen, batch) -> (tp, opt_state, loss, acc)``:
     one optimizer update of the trainable parameters ``tp`` on a batch of
     :func:`specjax.train.batches.build_batch` (JAX arrays). ``loss`` (float32 scalar) is the
@@ -39,7 +41,16 @@ def make_train_step(cfg, opt, ce_weight, unroll_weight, full_ce=True):
     import jax.numpy as jnp
     import optax
 
+    def ttt_loss_fn(tp, frozen, batch):  # fused features: training-time test, step weights 1, u, u, ...
+        ce, hit, valid = ttt_loss_parts(cfg, {"train": tp, "frozen": frozen}, batch, ttt_steps)
+        m = batch["mask"][None] * valid
+        wts = jnp.asarray([1.0] + [unroll_weight] * (ttt_steps - 1), jnp.float32)
+        per_step = jnp.sum(ce * m, axis=(1, 2)) / jnp.maximum(jnp.sum(m, axis=(1, 2)), 1.0)
+        return jnp.sum(wts * per_step) / jnp.sum(wts), jnp.sum(hit[0] * m[0]) / jnp.maximum(m[0].sum(), 1.0)
+
     def loss_fn(tp, frozen, batch):
+        if cfg.feature_layers:
+            return ttt_loss_fn(tp, frozen, batch)
         params = {"train": tp, "frozen": frozen}
         l1, l2, hit1, _ = loss_parts(cfg, params, batch, ce_weight, full_ce=full_ce,
                                      second_pass=unroll_weight > 0)
@@ -59,17 +70,25 @@ def make_train_step(cfg, opt, ce_weight, unroll_weight, full_ce=True):
 
 
 def make_eval_fn(cfg):
-    """The jitted evaluation ``ev(tp, frozen, batch) -> (hits1 [B], hits2 [B], positions [B])``:
-    greedy hits of the first draft (true features) and of a second draft (own features),
-    summed over each window's response positions (float32)."""
+    """The jitted evaluation ``ev(tp, frozen, batch) -> (hits [K, B], positions [K, B])``: greedy
+    hits per draft position summed over each window's response positions (float32). K = 2 for
+    EAGLE-1/2 drafters (first draft on true features, a second on its own features over the
+    whole window); for fused-feature drafters K = :data:`EVAL_POSITIONS` steps of
+    training-time test (:func:`specjax.train.losses.ttt_loss_parts`): position k is the (k)-th
+    draft of a round given the earlier ones were right (the per-position α of the decode loop)."""
     import jax
     import jax.numpy as jnp
 
     @jax.jit
     def ev(tp, frozen, batch):
-        _, _, hit1, hit2 = loss_parts(cfg, {"train": tp, "frozen": frozen}, batch, 0.0, full_head=True)
+        params = {"train": tp, "frozen": frozen}
         m = batch["resp"]
-        return jnp.sum(hit1 * m, axis=1), jnp.sum(hit2 * m, axis=1), jnp.sum(m, axis=1)
+        if cfg.feature_layers:
+            _, hit, valid = ttt_loss_parts(cfg, params, batch, EVAL_POSITIONS, full_head=True)
+            mm = m[None] * valid
+            return jnp.sum(hit * mm, axis=2), jnp.sum(mm, axis=2)
+        _, _, hit1, hit2 = loss_parts(cfg, params, batch, 0.0, full_head=True)
+        return jnp.stack([jnp.sum(hit1 * m, axis=1), jnp.sum(hit2 * m, axis=1)]), jnp.stack([jnp.sum(m, axis=1)] * 2)
 
     return ev
 
@@ -113,20 +132,24 @@ def evaluate(ev, tp, frozen, seqs, data, eval_idx, sub_pos, window, d, batch_siz
 
     wins = make_windows([seqs[i] for i in eval_idx], window, eval_only_response=True)
     wins = [(eval_idx[i], st) for i, st in wins]
-    by = defaultdict(lambda: np.zeros(3))
-    tot = np.zeros(3)
+    by = defaultdict(lambda: 0.0)
+    tot = 0.0
     for lo in range(0, len(wins), batch_size):
         chunk = wins[lo: lo + batch_size]
         pad = chunk + [chunk[-1]] * (batch_size - len(chunk))
         bt = build_batch(seqs, data, pad, sub_pos, window, d, copy_ngram=copy_ngram)
-        h1, h2, n = (np.asarray(x) for x in ev(tp, frozen, {k: jnp.asarray(v) for k, v in bt.items()}))
+        hits, n = (np.asarray(x, np.float64) for x in ev(tp, frozen, {k: jnp.asarray(v) for k, v in bt.items()}))
         for j, (i, _) in enumerate(chunk):
-            v = np.array([h1[j], h2[j], n[j]])
-            by[seqs[i]["category"]] += v
-            tot += v
-    res = {"alpha": tot[0] / max(tot[2], 1), "alpha2": tot[1] / max(tot[2], 1), "positions": int(tot[2])}
-    res["by_category"] = {c: {"alpha": v[0] / max(v[2], 1), "alpha2": v[1] / max(v[2], 1), "positions": int(v[2])}
-                          for c, v in sorted(by.items())}
+            v = np.stack([hits[:, j], n[:, j]])  # [2, K]
+            by[seqs[i]["category"]] = by[seqs[i]["category"]] + v
+            tot = tot + v
+
+    def summary(v):
+        a = (v[0] / np.maximum(v[1], 1)).tolist()
+        return {"alpha": a[0], "alpha2": a[1], "alpha_by_position": a, "positions": int(v[1][0])}
+
+    res = summary(tot)
+    res["by_category"] = {c: summary(v) for c, v in sorted(by.items())}
     return res
 
 
@@ -208,15 +231,28 @@ def record_eval(out: str, state: TrainState, step: int, result: dict) -> dict:
     return result
 
 
+def format_alphas(result: dict) -> str:
+    """``"0.512 / 0.401 / ..."``: an :func:`evaluate` result's α per draft position (``"n/a"`` without one)."""
+    a = result.get("alpha_by_position") or ([result["alpha"], result["alpha2"]] if "alpha" in result else [])
+    return " / ".join(f"{x:.3f}" for x in a) if a else "n/a"
+
+
+PROGRESS_EVERY_S = 60.0  # seconds between plain progress lines in the log
+
+
 def train(state: TrainState, mngr, *, steps: int, step_fn, frozen, batch_for, eval_at, eval_every: int,
-          checkpoint_every: int, onpolicy_after: int | None = None, add_onpolicy=None) -> float:
+          checkpoint_every: int, onpolicy_after: int | None = None, add_onpolicy=None, time_budget: float = 0.0,
+          tokens_per_step: int = 0) -> float:
     """Train from ``state.step`` to ``steps`` (``state`` updated in place); returns the
     seconds spent (this session). Step s uses ``batch_for(s)`` (NumPy arrays); every
     ``eval_every`` steps and at the end ``eval_at(step)`` (an :func:`evaluate` result) runs;
     a checkpoint is saved every ``checkpoint_every`` steps, at the end and at
     ``onpolicy_after``, after which ``add_onpolicy(params)`` adds the on-policy data.
     ``mngr`` is closed at the end. A progress bar on stderr (a TTY only; never with
-    ``SPECJAX_NO_PROGRESS=1``)."""
+    ``SPECJAX_NO_PROGRESS=1``) and, every :data:`PROGRESS_EVERY_S` seconds, a log line with the
+    step, loss, tokens/s and ETA; each evaluation logs α per draft position. ``time_budget``
+    (seconds, 0 = none): stop after the first step past it, with a checkpoint (``--resume``
+    continues exactly: the batch of step s depends only on (seed, s))."""
     import jax.numpy as jnp
     from tqdm import tqdm
 
@@ -224,15 +260,29 @@ def train(state: TrainState, mngr, *, steps: int, step_fn, frozen, batch_for, ev
     bar = tqdm(range(state.step, steps), initial=state.step, total=steps, desc="distill", file=sys.stderr,
                disable=True if os.environ.get("SPECJAX_NO_PROGRESS") == "1" else None,  # None: only on a TTY
                mininterval=2.0)
-    t0 = time.time()
+    t0 = last = time.time()
+    first = state.step
     for step in bar:
         b = {k: jnp.asarray(v) for k, v in batch_for(step).items()}
         state.params, state.opt_state, loss, acc = step_fn(state.params, state.opt_state, frozen, b)
         done = state.step = step + 1
+        now = time.time()
+        out_of_time = bool(time_budget) and now - t0 >= time_budget and done < steps
+        if now - last >= PROGRESS_EVERY_S:
+            last = now
+            rate = (now - t0) / (done - first)
+            log(f"step {done}/{steps}: loss {float(loss):.3f}, first-draft accuracy {float(acc):.2f}, "
+                f"{rate:.2f} s/step" + (f" ({tokens_per_step / rate:.0f} tokens/s)" if tokens_per_step else "")
+                + f", ETA {time.strftime('%H:%M:%S', time.gmtime(rate * (steps - done)))}")
         if eval_every and (done % eval_every == 0 or done == steps):
-            alpha = eval_at(done)["alpha"]
-        if done % checkpoint_every == 0 or done == steps or done == onpolicy_after:
+            r = eval_at(done)
+            alpha = r["alpha"]
+            log(f"step {done}: held-out α by draft position {format_alphas(r)}")
+        if done % checkpoint_every == 0 or done == steps or done == onpolicy_after or out_of_time:
             save_checkpoint(mngr, state)
+        if out_of_time:
+            log(f"time budget of {time_budget:.0f}s reached at step {done} of {steps}; checkpoint written")
+            break
         if done == onpolicy_after:
             add_onpolicy(state.params)
         bar.set_postfix(loss=f"{float(loss):.3f}", acc=f"{float(acc):.2f}", alpha=f"{alpha:.3f}")

@@ -70,6 +70,55 @@ def loss_parts(cfg, params, batch, ce_weight, full_head=False, full_ce=True, sec
     return l1, l2, hit1, hit2
 
 
+def ttt_loss_parts(cfg, params, batch, steps: int, full_head=False):
+    """Per-step cross-entropy and greedy hits of a fused-feature drafter unrolled ``steps`` times
+    (training-time test, :func:`specjax.drafters.eagle.ttt_forward`): ``(ce [K, B, W], hit [K, B, W],
+    valid [K, B, W])``. Step k at position s is the (k+1)-th draft of a round (its target: the
+    target's distribution there); ``valid`` drops the first k positions of each window, whose
+    unrolled inputs start from the window's zero feature. No feature regression: the drafter's
+    own features need not equal any target layer (EAGLE-3 drops that loss). Cross-entropy as
+    :func:`loss_parts` with ``full_ce`` (or :func:`copy_terms` with a copy term)."""
+    import jax.numpy as jnp
+
+    from specjax.drafters import eagle
+
+    feats = eagle.input_features(cfg, params, batch["feats"])
+    outs = eagle.ttt_forward(cfg, params, feats, batch["tokens"], steps)
+    ces, hits, valids = [], [], []
+    w = batch["tokens"].shape[1]
+    for k, f in enumerate(outs):
+        ce, hit = _ce_hit(cfg, params, f, batch, full_head)
+        ces.append(ce)
+        hits.append(hit)
+        valids.append(jnp.broadcast_to((jnp.arange(w) >= k).astype(jnp.float32), ce.shape))
+    return jnp.stack(ces), jnp.stack(hits), jnp.stack(valids)
+
+
+def _ce_hit(cfg, params, f, batch, full_head):
+    """Soft-label cross-entropy of q over the sub-vocabulary (copy term included) against the
+    target's top-k, and the greedy hit (argmax over the sub-vocabulary, or the top-k with
+    ``full_head`` False): ``(ce [B, W], hit [B, W])``."""
+    import jax
+    import jax.numpy as jnp
+
+    from specjax.drafters import eagle
+
+    if cfg.copy_ngram:
+        return copy_terms(params, f, batch)
+    ti = batch["ti"]
+    valid = ti >= 0
+    pp = jnp.where(valid, batch["tp"], 0.0)
+    pp = pp / jnp.maximum(pp.sum(-1, keepdims=True), 1e-9)
+    full = jax.nn.log_softmax(eagle.sub_logits(params, f), axis=-1)
+    lq = jnp.take_along_axis(full, jnp.maximum(ti, 0), axis=-1)
+    ce = -jnp.sum(jnp.where(valid, pp * lq, 0.0), axis=-1)
+    if full_head:
+        pred = jnp.argmax(full, axis=-1)
+    else:
+        pred = jnp.take_along_axis(ti, jnp.argmax(jnp.where(valid, lq, -1e30), axis=-1)[..., None], axis=-1)[..., 0]
+    return ce, (pred == batch["am"]).astype(jnp.float32)
+
+
 def copy_terms(params, f, batch):
     """Cross-entropy and greedy hits of a drafter with a copy term: q over the
     sub-vocabulary plus the copy candidate (:func:`specjax.drafters.eagle.copy_logit`),

@@ -13,7 +13,7 @@ RUN_KEYS = ("model", "prompts", "split", "steps", "seed", "batch_size", "lr", "e
             "intermediate", "window", "max_new_tokens", "gen_batch", "topk", "ce_weight", "unroll_weight",
             "warmup", "checkpoint_every", "chat", "weight_decay", "max_prompt_tokens", "onpolicy_after", "gamma",
             "data_dir", "ce", "samples_per_prompt", "data_temperature", "copy_ngram", "init_from", "self_prompts",
-            "train_only")
+            "train_only", "feature_layers", "ttt_steps", "text_corpus", "text_tokens", "text_window")
 
 
 # (option, smallest allowed value, what it means) for distill's numeric options
@@ -24,9 +24,10 @@ _MIN = [("steps", 0, "training steps; 0 = only generate the data set"), ("batch_
         ("intermediate", 1, "MLP width"), ("copy_ngram", 0, "0 = none"), ("self_prompts", 0, "prompts"),
         ("window", 2, "positions per window"), ("max_new_tokens", 1, "tokens"), ("max_prompt_tokens", 1, "tokens"),
         ("gen_batch", 1, "prompts per batch"), ("samples_per_prompt", 1, "continuations"),
-        ("topk", 1, "probabilities per position"), ("bench_per_category", 0, "0 = all"), ("bench_limit", 0, "0 = all")]
+        ("topk", 1, "probabilities per position"), ("ttt_steps", 1, "unrolled training steps"),
+        ("text_tokens", 1, "tokens"), ("text_window", 8, "tokens per window"), ("bench_per_category", 0, "0 = all"), ("bench_limit", 0, "0 = all")]
 _NONNEG_FLOATS = [("lr", False), ("weight_decay", True), ("data_temperature", True), ("ce_weight", True),
-                  ("unroll_weight", True)]
+                  ("unroll_weight", True), ("time_budget", True)]
 
 
 def _flag(name: str) -> str:
@@ -59,6 +60,19 @@ def check_args(s, export_only: bool = False) -> None:
                            "copy term yet")
     if getattr(s, "copy_ngram", 0) and s.ce != "full":
         raise DistillError("--copy-ngram needs --ce full (the copy term competes with the whole sub-vocabulary)")
+    fl = getattr(s, "feature_layers", None)
+    if fl is not None and fl != "eagle3":
+        try:
+            ok = len([int(x) for x in str(fl).split(",")]) > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            raise DistillError(f"--feature-layers must be comma-separated block indices (e.g. 1,14,27) or eagle3, "
+                               f"got {fl!r}")
+    if fl is not None and getattr(s, "data", "target") != "target":
+        raise DistillError("--feature-layers trains on target data only (--data target)")
+    if fl is not None and getattr(s, "init_from", None):
+        raise DistillError("--feature-layers with --init-from is not supported: a fused-feature drafter starts fresh")
     if getattr(s, "train_only", None) == "copy" and not (s.copy_ngram and s.init_from):
         raise DistillError("--train-only copy fits the copy term of a trained drafter: give --copy-ngram N and "
                            "--init-from DRAFTER_DIR")
