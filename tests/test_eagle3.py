@@ -142,3 +142,22 @@ def test_saved_fused_drafter_round_trips(tmp_path):
     save_file(t, str(tmp_path / "d" / "model.safetensors"))
     with pytest.raises(CheckpointError, match="no 'fuse'"):
         eagle.load_drafter(str(tmp_path / "d"), target)
+
+
+def test_analysis_measures_a_fused_feature_drafter():
+    """`specjax analyze`'s measurements take the fused features a drafter reads: α (teacher-forced,
+    per-position proposals) and the costs (draft call, target call, tree proposal)."""
+    from specjax.core.drafting import TreeShape
+    from specjax.eval import measure
+
+    target = tiny_model(seed=0, scale=6.0)
+    drafter = _copy_eagle3(target, "float32")
+    rng = np.random.default_rng(0)
+    base = rng.integers(2, 128, 6).tolist()
+    recs = measure.prompt_records([{"ids": base * 2, "category": "a"}, {"ids": base + [9], "category": "b"}])
+    conts = [base * 2, base[:5]]
+    al = measure.measure_alpha(target, drafter, recs, conts, temperature=0.7)
+    assert al["positions"] == 17 and 0 < al["alpha"] < 1 and set(al["by_category"]) == {"a", "b"}
+    costs = measure.measure_costs(target, drafter, [2], prompt_len=16, max_new_tokens=16, repeats=1, warmup=1,
+                                  trees=[TreeShape(6, 3, 2)])
+    assert costs["c"][0] > 0 and costs["trees"]["6x3x2"]["c_tree"] > 0, costs

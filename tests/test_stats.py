@@ -17,6 +17,8 @@ def test_merge_and_derived_figures():
     ar = RunStats.from_row({"new_tokens": 4, "target_calls": 4, "accept_hist": [4]})
     assert ar.acceptance_rate is None and ar.mean_accepted_tokens == 1.0 and ar.tokens_per_s is None
     assert RunStats().mean_accepted_tokens is None and c.summary()["accept_hist"] == [3, 2, 1, 0, 0]
+    # per position: 6 rounds, 3 accepted >= 1 (α_1 = 3/6), 1 of those >= 2 (α_2 = 1/3), none >= 3
+    assert c.acceptance_by_position == [0.5, 1 / 3, 0.0, 0.0] and ar.acceptance_by_position is None
 
 
 def test_decode_settings_validate_and_derive():

@@ -17,6 +17,8 @@ draft tree, suffixed ``/<dtype>`` when several weight formats are run) and per c
   ``ar`` of the method's own format;
 * ``mean_accepted_tokens`` (τ): new tokens ÷ target calls (each row's calls after prefill);
 * ``acceptance_rate``: accepted ÷ checked draft tokens (``null`` for ``ar``);
+* ``acceptance_by_position``: α_k per draft position k (tree depth k) from the rounds' accepted
+  counts (:attr:`specjax.runtime.stats.RunStats.acceptance_by_position`; ``null`` for ``ar``);
 * ``wall_s``: seconds of the timed ``generate`` calls (prefill + decode + host work);
 * ``bandwidth_gb_s``: weight bytes read ÷ decode seconds, with bytes read per batch =
   ``batch target calls × target weight bytes + batch draft steps × drafter weight bytes``
@@ -299,6 +301,7 @@ def aggregate(batches: Iterable[dict], spec: MethodSpec) -> dict:
         "speedup_decode_time": None,
         "mean_accepted_tokens": total.mean_accepted_tokens,
         "acceptance_rate": total.acceptance_rate if drafting else None,
+        "acceptance_by_position": total.acceptance_by_position if drafting else None,
         "new_tokens": total.new_tokens,
         "target_calls": total.target_calls,
         "accepted_tokens": total.accepted_tokens if drafting else None,

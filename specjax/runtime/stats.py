@@ -86,6 +86,19 @@ class RunStats:
         return self.accepted_tokens / self.checked_tokens if self.checked_tokens else 0.0
 
     @property
+    def acceptance_by_position(self) -> list[float] | None:
+        """Per-position acceptance ``[α_1, α_2, ...]`` from :attr:`accept_hist`: α_k = rounds with ≥ k
+        drafts accepted ÷ rounds with ≥ k − 1 accepted (the chance draft k is accepted once drafts
+        1..k−1 were; for a tree, depth k). ``None`` without a drafter. Rounds that offered fewer
+        than k drafts (an EOS or length cut, a confidence stop) count as rejections at k, so the
+        later positions read slightly low."""
+        if not self.drafting:
+            return None
+        h = list(self.accept_hist)
+        tail = [sum(h[k:]) for k in range(len(h))]  # rounds with >= k accepted
+        return [tail[k] / tail[k - 1] if tail[k - 1] else 0.0 for k in range(1, len(h))]
+
+    @property
     def tokens_per_s(self) -> float | None:
         """New tokens per decode second (``None`` before any decode time)."""
         return self.new_tokens / self.decode_s if self.decode_s > 0 else None
@@ -95,5 +108,6 @@ class RunStats:
         d = {k: getattr(self, k) for k in COUNTERS}
         d.update(accept_hist=list(self.accept_hist), decode_s=self.decode_s, prefill_s=self.prefill_s,
                  rows=self.rows, mean_accepted_tokens=self.mean_accepted_tokens,
-                 acceptance_rate=self.acceptance_rate, tokens_per_s=self.tokens_per_s)
+                 acceptance_rate=self.acceptance_rate, acceptance_by_position=self.acceptance_by_position,
+                 tokens_per_s=self.tokens_per_s)
         return d
