@@ -190,6 +190,9 @@ def resolve(args, default_draft=None, need_draft: str | None = None, tree_with_g
         # given by the user (flag or config), not the default: only then is a cap worth a note
         "max_new_tokens_given": getattr(args, "max_new_tokens", None) is not None or "max_new_tokens" in cfg,
     }
+    if s["draft_dtype"] is not None and getattr(args, "draft_dtype", None) is not None \
+            and s["draft"] in (None, "none", [], ["none"]) and not default_draft:
+        note(f"--draft-dtype {s['draft_dtype']} has no effect without a drafter (add --draft default, ngram or a path)")
     if s["draft_dtype"] is None:
         s["draft_dtype"] = s["dtype"]
     draft_given = s["draft"] is not None
