@@ -142,9 +142,9 @@ class EagleConfig:
 
 def resolve_feature_layers(spec, target_cfg: ModelConfig) -> tuple[int, ...]:
     """The target blocks a fused-feature drafter reads: ``None``/``()`` → ``()`` (the final hidden
-    state); ``"eagle3"`` → low, middle and high blocks ``(1, L/2 − 1, L − 3)`` of an L-block target
-    (the outputs EAGLE-3's reference code takes: hidden states 2, L/2 and −3 of transformers'
-    ``output_hidden_states``); ``"1,14,27"`` or a sequence of ints → those blocks.
+    state); ``"eagle3"`` → a low, a middle and a high block, ``(1, L/2 − 1, L − 3)`` of an L-block
+    target (0-based; EAGLE-3, Li et al. 2025, fuses one early, one middle and one late layer);
+    ``"1,14,27"`` or a sequence of ints → those blocks.
 
     Raises:
       ValueError: an index outside the target's blocks, or not integers."""
@@ -269,11 +269,11 @@ def ttt_forward(cfg: EagleConfig, params: dict, feats, tokens, steps: int) -> li
     Step 0 is the teacher-forced pass (:func:`forward`, causal): the input at position s is the
     target's feature ``feats[:, s]`` (h at s − 1, already through :func:`input_features`) with
     token x_s. Step k ≥ 1 feeds each position s the drafter's own step-(k − 1) output at s − 1,
-    and its attention sees what draft k + 1 sees in the decode loop after the target's true
-    features up to s − k − 1... precisely: step-0 keys at positions ≤ s − k (written by the round's
-    call over true features) and, for each j = 1..k, the step-j key at position s − k + j (the
-    drafts made before it in the same round, and itself). So step k at s is the (k + 1)-th draft of a
-    round whose last committed token is x_{s−k}, with the drafts equal to the true tokens.
+    and its attention sees what the decode loop's drafter cache holds at that draft: step-0 keys
+    at positions ≤ s − k (written by the round's call over true features) and, for each
+    j = 1..k, the step-j key at position s − k + j (the drafts made before it in the same round,
+    and itself). So step k at s is the (k + 1)-th draft of a round whose last committed token is
+    x_{s−k}, with the drafts equal to the true tokens.
 
     Args:
       feats: ``[B, W, D]`` float32 input features of step 0 (zeros where there is no previous
