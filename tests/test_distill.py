@@ -364,3 +364,10 @@ def test_fused_features_ttt_learns_and_time_budget_resume_is_bitwise(tiny_setup)
         assert a[k].tobytes() == b[k].tobytes(), f"{k} differs after a time-budget stop and --resume"
     with pytest.raises(DistillError, match="features of width"):
         distill.run(_args(tiny_setup, tiny_setup / "f_bad", "--data-dir", data, "--steps", "1"))
+
+
+def test_evaluate_without_eval_sequences_reports_zero():
+    from specjax.train.loop import evaluate
+
+    res = evaluate(None, None, None, [], {}, [], None, 8, 4, 2)
+    assert res["alpha"] == 0 and res["alpha_by_position"] == [0.0, 0.0] and res["by_category"] == {}

@@ -55,8 +55,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text-tokens", type=int, default=1_000_000, help="tokens taken from --text-corpus")
     p.add_argument("--text-window", type=int, default=512, help="tokens per teacher-forced window")
     p.add_argument("--time-budget", type=float, default=0.0, metavar="SECONDS",
-                   help="stop training after this many seconds (a checkpoint is written; continue with --resume; "
-                        "0 = no limit)")
+                   help="stop training after this many seconds of the training loop (data generation is not "
+                        "counted; a checkpoint is written; continue with --resume; 0 = no limit)")
     p.add_argument("--window", type=int, default=192, help="positions per training window")
     p.add_argument("--max-new-tokens", type=int, default=96, help="target continuation length")
     p.add_argument("--max-prompt-tokens", type=int, default=96, help="keep the last N prompt tokens")
@@ -66,10 +66,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-temperature", type=float, default=0.8,
                    help="temperature of the extra sampled continuations (the stored targets stay temperature 1)")
     p.add_argument("--topk", type=int, default=16, help="target probabilities stored per position")
-    p.add_argument("--ce-weight", type=float, default=1.0)
+    p.add_argument("--ce-weight", type=float, default=1.0,
+                   help="cross-entropy weight next to the feature regression (EAGLE-1/2 drafters; fused-feature "
+                        "drafters have no feature regression)")
     p.add_argument("--ce", default="full", choices=["full", "topk"],
                    help="cross-entropy over the whole sub-vocabulary, or only among the target's top-k")
-    p.add_argument("--unroll-weight", type=float, default=0.5)
+    p.add_argument("--unroll-weight", type=float, default=0.5,
+                   help="loss weight of the unrolled pass (own features); with --feature-layers, of each "
+                        "training-time-test step after the first")
     p.add_argument("--no-chat", dest="chat", action="store_false", help="prompts without the chat template")
     p.add_argument("--export-only", action="store_true",
                    help="with --resume: write DIR/drafter from the latest checkpoint (a run stopped early)")

@@ -31,8 +31,9 @@ class DraftContext:
       lengths: ``[B]`` int32 committed tokens per row (≥ 1).
       sampling: per-row sampling settings; a drafter must make q with
         ``sampling.process`` (the same processor that makes the target's p).
-      target_hidden: ``[B, γ+1, D]`` float32 final hidden states (after the final norm)
-        of the target's last call, whose inputs were ``[last committed, x_1..x_γ]`` at
+      target_hidden: ``[B, γ+1, F]`` float32 final hidden states (after the final norm, F = D),
+        or for a drafter whose ``config.feature_layers`` names target blocks the fused block outputs
+        (:func:`specjax.models.llama.target_features`, F = len·D), of the target's last call, whose inputs were ``[last committed, x_1..x_γ]`` at
         positions ``lengths_before-1 ..``; index ``last_accepted`` holds the state at
         position ``lengths-2`` (the input before the last committed token). In
         ``init_state`` it is the prompt's hidden states ``[B, P, D]`` (positions 0..P-1).
@@ -162,8 +163,8 @@ class Drafter(Protocol):
         Args:
           params: the drafter's weight pytree (``self.params`` as passed to the loop) or ``None``.
           context: the prompt: ``tokens [B, L]`` int32, ``lengths [B]`` int32 prompt lengths,
-            ``sampling``, and ``target_hidden [B, P, D]`` float32 (the target's final hidden
-            states of the prompt, for feature-level drafters).
+            ``sampling``, and ``target_hidden [B, P, F]`` float32 (the target's final hidden
+            states of the prompt, or its fused features, for feature-level drafters).
           max_len: L, the buffer slots a KV cache of the drafter must hold (static int).
 
         Returns:

@@ -2,7 +2,8 @@
 
 Architecture (per position t, D = the target's width):
 
-    x_t = fc([h_{t-1} ; e(x_t)])           fc: 2D → D (+ bias); h = target final hidden state
+    x_t = fc([h_{t-1} ; e(x_t)])           fc: 2D → D (+ bias); h = target final hidden state, or
+                                            (EAGLE-3, ``feature_layers``) fuse · the fused block outputs
     y_t = Block(x_t)                        one Llama decoder block, its own small KV cache
     f_t = RMSNorm(y_t)                      predicted feature ≈ h_t (the target's state at t)
     q(x_{t+1}) ∝ exp(f_t · E[s])  for s in the sub-vocabulary S, 0 elsewhere
@@ -22,7 +23,7 @@ sampled from.
 target's tied LM head restricted to the |S| (e.g. 8k) most frequent tokens: the head
 costs |S|/V of the full one, and the drafter stays exact because q is exactly what is
 sampled from (``-inf`` logits outside S → probability 0 after ``sampling.process``).
-Only ``fc``, the block and the output norm are trained (and shipped); ``embed``,
+Only ``fc``, the block, the output norm (and ``fuse``, the copy term) are trained (and shipped); ``embed``,
 ``head`` and ``sub_ids`` are taken from the target at load time.
 
 Decode-loop protocol (see :mod:`specjax.core.drafting`). Let L = committed length,
@@ -126,7 +127,12 @@ class EagleConfig:
                    num_heads: int | None = None, num_kv_heads: int | None = None,
                    copy_ngram: int = 0, feature_layers=()) -> "EagleConfig":
         """A drafter config matching ``target_cfg``'s width, heads and RoPE. ``copy_ngram``:
-        longest n-gram of the copy term (0 = no copy term)."""
+        longest n-gram of the copy term (0 = no copy term); ``feature_layers``: the target blocks
+        whose fused outputs it reads (:func:`resolve_feature_layers`: indices, ``"1,14,27"`` or
+        ``"eagle3"``; ``()``: the final hidden state).
+
+        Raises:
+          ValueError: a negative ``copy_ngram`` or a feature layer outside the target."""
         if copy_ngram < 0:
             raise ValueError(f"copy_ngram must be >= 0 (0 = no copy term), got {copy_ngram}")
         layer = dataclasses.replace(
@@ -137,7 +143,7 @@ class EagleConfig:
             head_dim=target_cfg.head_dim if num_heads is None else target_cfg.hidden_size // int(num_heads),
         )
         return cls(layer=layer, sub_vocab=int(min(sub_vocab, target_cfg.vocab_size)), copy_ngram=int(copy_ngram),
-                   feature_layers=resolve_feature_layers(tuple(feature_layers or ()), target_cfg))
+                   feature_layers=resolve_feature_layers(feature_layers or (), target_cfg))
 
 
 def resolve_feature_layers(spec, target_cfg: ModelConfig) -> tuple[int, ...]:
@@ -350,7 +356,7 @@ SMALL_ROWS = 16  # decode-step row counts (batch × 1) up to which sub_logits us
 def quantize_params(params: dict) -> dict:
     """The ``int8`` weight format of a drafter's ``{"train", "frozen"}`` parameters.
 
-    ``fc``, the block's four matrices (``w_qkv``, ``wo``, ``w_gate_up``, ``w_down``, stored
+    ``fc`` (and ``fuse``), the block's four matrices (``w_qkv``, ``wo``, ``w_gate_up``, ``w_down``, stored
     ``[in, *out]``) and the sub-vocabulary head (``[|S|, D]``) become symmetric
     per-output-channel int8 with a float32 ``<name>_scale``
     (:func:`specjax.models.llama.quantize_int8`); activations are quantized per row on the

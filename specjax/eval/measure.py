@@ -805,7 +805,8 @@ def _continuation(target, progs: dict, ids: Sequence[int], n_new: int, sp, rng, 
 
     Returns:
       ``(new ids [n], p [n, V] float32, hidden [len(ids) + n - 1, D] float32)``: p of each new
-      token (processed: what it was drawn from) and the target's final hidden state at every
+      token (processed: what it was drawn from) and the target's final hidden state (or the fused
+      features of ``feature_layers``) at every
       position before the last new token.
     """
     cfg, prog = target.config, progs[0]

@@ -79,7 +79,8 @@ class DecodeState:
     round: int32 scalar rounds run so far.
     sampling: per-row sampling settings.
     target_cache, drafter_state: KV cache pytrees.
-    target_hidden: ``[B, γ+1, D]`` hidden states of the last target call, or None.
+    target_hidden: ``[B, γ+1, F]`` hidden states (or fused features, :attr:`Program.feature_size`) of
+      the last target call, or None.
     last_accepted: ``[B]`` int32 draft tokens accepted in the last round (n).
     stats: :class:`Stats`.
     emit_round: ``[B, L]`` int32, per committed slot, the round that committed it.

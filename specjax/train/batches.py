@@ -58,7 +58,8 @@ def build_batch(seqs, data, windows, sub_pos, window: int, d: int, copy_ngram: i
     [B, W, k] int32 and argmax ``amt`` [B, W] int32 (−1 padded).
 
     ``seqs``/``data``: as :func:`specjax.train.data.collect_parts`; ``sub_pos``:
-    :func:`sub_positions`; ``d``: the hidden size."""
+    :func:`sub_positions`; ``d``: the width of the stored features (the hidden size, or the fused
+    features' ``len·D``)."""
     b = len(windows)
     fin = np.zeros((b, window, d), np.float32)
     tok = np.zeros((b, window), np.int32)

@@ -31,7 +31,7 @@ def _topk_stats(logits, topk: int):
 
 def _gen_fn(target, prompt_len: int, max_new: int, topk: int, feature_layers: tuple[int, ...] = ()):
     """Jitted generation that also returns what training needs, so no separate teacher
-    pass is run: per position the target's final hidden state, top-k probabilities and
+    pass is run: per position the target's final hidden state (or fused features), top-k probabilities and
     argmax (prefill positions and generated positions).
 
     ``f(params, prompt [b, p] int32, lengths [b] int32, temps [b] float32, seeds [b] int32)``:
@@ -137,7 +137,7 @@ def generate_data(target, records, *, max_new_tokens, batch, chat, max_prompt_to
     input), with the target's hidden states / top-k / argmax at every position.
 
     Batches of ``batch`` prompts are written as they finish (``parts_dir/part_NNNN.npz``,
-    atomically; arrays ``hidden`` [N, D] float32, ``topk_p`` [N, topk] float32, ``topk_idx``
+    atomically; arrays ``hidden`` [N, F] float32 (F = D), ``topk_p`` [N, topk] float32, ``topk_idx``
     [N, topk] int32, ``argmax`` [N] int32 over the N positions of the part's sequences, and
     ``seqs`` as JSON; with ``feature_layers``, ``hidden`` holds the fused features
     ``[N, len(feature_layers)·D]`` as float16: unit-RMS values, far inside its range) and a restart skips the parts already there; records in ``first_ids``
@@ -313,7 +313,8 @@ def self_prompts(target, n: int, seed: int, path: str, *, max_tokens: int = 64, 
 
 def collect_parts(parts_dir: str) -> tuple[list[dict], dict]:
     """All finished parts of ``parts_dir`` as ``(seqs, arrays)``: the sequence dicts, each
-    with its ``offset`` (first row) into the concatenated arrays ``hidden`` [N, D] float32,
+    with its ``offset`` (first row) into the concatenated arrays ``hidden`` [N, F] (float32 [N, D], or
+    float16 fused features [N, len·D]),
     ``topk_p`` [N, k] float32, ``topk_idx`` [N, k] int32 and ``argmax`` [N] int32.
 
     Raises:
@@ -346,9 +347,13 @@ def collect_data(dirs: list[str]) -> tuple[list[dict], dict]:
       DistillError: a directory with no finished part.
     """
     seqs, arrs, off = [], defaultdict(list), 0
-    seen = set()
+    seen, width = set(), None
     for d in dirs:
         ds, da = collect_parts(d)
+        if width is not None and da["hidden"].shape[1] != width[1]:
+            raise DistillError(f"{d} holds target features of width {da['hidden'].shape[1]} but {width[0]} holds "
+                               f"{width[1]}: data sets made with different --feature-layers cannot be merged")
+        width = width or (d, da["hidden"].shape[1])
         for q in ds:
             k = q.get("sample", 0)
             key = (q["question_id"], q.get("turn", 0), q.get("source"), k, q.get("seed", 0) if k else None)

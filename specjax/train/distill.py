@@ -92,7 +92,8 @@ def run(args) -> dict:
 
     ``args``: the ``specjax distill`` options (:func:`specjax.cli.distill.add_args`); a
     resumed run keeps the settings in its ``run.json``. Returns ``{"out": directory,
-    "final": the last α evaluation ({} without one), "train_s": training seconds this session}``.
+    "final": the last α evaluation ({} without one), "train_s": training seconds this session,
+    "step": steps done}``.
 
     Raises:
       DistillError: a bad option, ``--out`` a file, not empty without ``--resume``, not a
@@ -116,13 +117,13 @@ def run(args) -> dict:
     cfg, state, train_s, fit_idx = _train(r, args, seqs, data, (train_idx, eval_idx), sub_ids, sub_pos, init)
     s, final = r.s, state.history[-1] if state.history else {}
     dd = export_drafter(r.out, cfg, state.params, sub_ids, r.target, extra={
-        "steps": s.steps, "seed": s.seed, "train_sequences": len(train_idx),
+        "steps": state.step, "steps_planned": s.steps, "seed": s.seed, "train_sequences": len(train_idx),
         "train_tokens": int(sum(len(seqs[i]["ids"]) for i in train_idx)), "eval": final,
         "init_from": s.init_from, "train_only": s.train_only, "fit_sequences": len(fit_idx)})
     stopped = state.step < s.steps
     log(f"{'stopped (time budget)' if stopped else 'done'}: {state.step} of {s.steps} steps ({train_s:.0f}s this "
         f"session), α by draft position {format_alphas(final)}; drafter in {dd}"
-        + (f"; continue with: specjax distill --out {r.out} --resume" if stopped else ""))
+        + (f"; continue with: specjax distill --out {r.out} --resume [--time-budget SECONDS]" if stopped else ""))
     return {"out": r.out, "final": final, "train_s": train_s, "step": state.step}
 
 

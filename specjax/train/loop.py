@@ -36,7 +36,10 @@ def make_train_step(cfg, opt, ce_weight, unroll_weight, full_ce=True, ttt_steps=
     one optimizer update of the trainable parameters ``tp`` on a batch of
     :func:`specjax.train.batches.build_batch` (JAX arrays). ``loss`` (float32 scalar) is the
     masked mean of the first-pass loss + ``unroll_weight`` × the unrolled-pass loss
-    (:func:`specjax.train.losses.loss_parts`); ``acc`` the first-pass greedy hit rate."""
+    (:func:`specjax.train.losses.loss_parts`); ``acc`` the first-pass greedy hit rate. For a
+    fused-feature drafter (``cfg.feature_layers``) the loss is training-time test instead
+    (:func:`specjax.train.losses.ttt_loss_parts`): the weighted mean of the per-step
+    cross-entropies, weights ``1, unroll_weight, ...`` over ``ttt_steps`` steps."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -125,15 +128,17 @@ def make_optimizer(steps, lr, warmup, weight_decay, freeze_base=False):
 def evaluate(ev, tp, frozen, seqs, data, eval_idx, sub_pos, window, d, batch_size, copy_ngram=0):
     """Greedy α of the first draft (true features) and of a second draft (own features),
     over the response positions of the eval sequences (the last ``window`` positions of
-    each), pooled and per category: ``{"alpha", "alpha2", "positions", "by_category":
-    {category: {"alpha", "alpha2", "positions"}}}``. ``ev``: :func:`make_eval_fn`; the
-    batches are :func:`specjax.train.batches.build_batch` of ``batch_size`` windows."""
+    each), pooled and per category: ``{"alpha", "alpha2", "alpha_by_position", "positions",
+    "by_category": {category: {the same}}}``; ``alpha_by_position`` has one α per draft position
+    of :func:`make_eval_fn` (2, or :data:`EVAL_POSITIONS` for fused-feature drafters). No eval
+    sequence: every α is 0. ``ev``: :func:`make_eval_fn`; the batches are
+    :func:`specjax.train.batches.build_batch` of ``batch_size`` windows."""
     import jax.numpy as jnp
 
     wins = make_windows([seqs[i] for i in eval_idx], window, eval_only_response=True)
     wins = [(eval_idx[i], st) for i, st in wins]
     by = defaultdict(lambda: 0.0)
-    tot = 0.0
+    tot = np.zeros((2, 2))  # [hits, positions] × draft positions (widened by the first batch)
     for lo in range(0, len(wins), batch_size):
         chunk = wins[lo: lo + batch_size]
         pad = chunk + [chunk[-1]] * (batch_size - len(chunk))
@@ -142,7 +147,7 @@ def evaluate(ev, tp, frozen, seqs, data, eval_idx, sub_pos, window, d, batch_siz
         for j, (i, _) in enumerate(chunk):
             v = np.stack([hits[:, j], n[:, j]])  # [2, K]
             by[seqs[i]["category"]] = by[seqs[i]["category"]] + v
-            tot = tot + v
+            tot = (tot if tot.shape == v.shape else np.zeros_like(v)) + v
 
     def summary(v):
         a = (v[0] / np.maximum(v[1], 1)).tolist()
@@ -240,6 +245,12 @@ def format_alphas(result: dict) -> str:
 PROGRESS_EVERY_S = 60.0  # seconds between plain progress lines in the log
 
 
+def _hms(seconds: float) -> str:
+    """``H:MM:SS`` (hours unbounded)."""
+    s = int(round(seconds))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
 def train(state: TrainState, mngr, *, steps: int, step_fn, frozen, batch_for, eval_at, eval_every: int,
           checkpoint_every: int, onpolicy_after: int | None = None, add_onpolicy=None, time_budget: float = 0.0,
           tokens_per_step: int = 0) -> float:
@@ -273,7 +284,7 @@ def train(state: TrainState, mngr, *, steps: int, step_fn, frozen, batch_for, ev
             rate = (now - t0) / (done - first)
             log(f"step {done}/{steps}: loss {float(loss):.3f}, first-draft accuracy {float(acc):.2f}, "
                 f"{rate:.2f} s/step" + (f" ({tokens_per_step / rate:.0f} tokens/s)" if tokens_per_step else "")
-                + f", ETA {time.strftime('%H:%M:%S', time.gmtime(rate * (steps - done)))}")
+                + f", ETA {_hms(rate * (steps - done))}")
         if eval_every and (done % eval_every == 0 or done == steps):
             r = eval_at(done)
             alpha = r["alpha"]

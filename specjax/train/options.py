@@ -69,6 +69,12 @@ def check_args(s, export_only: bool = False) -> None:
         if not ok:
             raise DistillError(f"--feature-layers must be comma-separated block indices (e.g. 1,14,27) or eagle3, "
                                f"got {fl!r}")
+    if fl is not None and getattr(s, "ce", "full") != "full":
+        raise DistillError("--feature-layers trains with --ce full (training-time test's cross-entropy is over the "
+                           "whole sub-vocabulary)")
+    for path in getattr(s, "text_corpus", None) or []:
+        if not os.path.exists(path):
+            raise DistillError(f"--text-corpus {path}: no such file or directory")
     if fl is not None and getattr(s, "data", "target") != "target":
         raise DistillError("--feature-layers trains on target data only (--data target)")
     if fl is not None and getattr(s, "init_from", None):
