@@ -75,16 +75,15 @@ def test_ttt_steps_are_the_decode_loops_drafts():
     feats = jnp.asarray(rng.standard_normal((1, w, cfg.hidden_size)), jnp.float32)
     toks = jnp.asarray(rng.integers(0, 128, (1, w)), jnp.int32)
     outs = eagle.ttt_forward(cfg, params, feats, toks, steps)
-    for s in range(steps, w):
+    fwd = jax.jit(eagle.forward, static_argnums=0)
+    for s in (steps, w // 2 + 1, w - 1):
         for k in range(1, steps):
             r = s - k  # position of the round's first draft input (true feature)
             cache = eagle.new_cache(cfg, 1, 16)
-            f, cache = eagle.forward(cfg, params, feats[:, : r + 1], toks[:, : r + 1],
-                                     jnp.arange(r + 1)[None], cache)
+            f, cache = fwd(cfg, params, feats[:, : r + 1], toks[:, : r + 1], jnp.arange(r + 1)[None], cache)
             own = f[:, r]
             for i in range(1, k + 1):
-                fo, cache = eagle.forward(cfg, params, own[:, None], toks[:, r + i: r + i + 1],
-                                          jnp.asarray([[r + i]]), cache)
+                fo, cache = fwd(cfg, params, own[:, None], toks[:, r + i: r + i + 1], jnp.asarray([[r + i]]), cache)
                 own = fo[:, 0]
             np.testing.assert_allclose(outs[k][:, s], own, atol=3e-5, err_msg=f"step {k} position {s}")
 

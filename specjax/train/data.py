@@ -392,21 +392,27 @@ def load_data(path: str) -> tuple[list[dict], dict]:
     return seqs, arrays
 
 
-TEXT_COUNT_WEIGHT = 1 / 8  # a teacher-forced text token counts 1/8 of a chat token for the sub-vocabulary
+# How much a teacher-forced installed-text token counts when the sub-vocabulary is chosen, next to a
+# chat token (1). Measured on the shipped drafter's data (1.3M text + 0.12M chat training tokens),
+# coverage of the held-out answers' tokens by 8,192 / 16,384 ids: weight 1/8 → 0.885 / 0.932,
+# 1/128 → 0.907 / 0.932, 0 → 0.911 / 0.957 (code identifiers and markup crowd out chat words, and
+# the lowest ids, the earliest BPE merges, fill better than text counts do).
+TEXT_COUNT_WEIGHT = 0.0
 
 
 def choose_sub_vocab(seqs: list[dict], vocab_size: int, k: int) -> np.ndarray:
     """The ``k`` most frequent token ids in ``seqs`` (ties by lowest id), filled up with the
     lowest unused ids (earliest BPE merges ≈ most frequent in the tokenizer's corpus).
     Tokens of teacher-forced installed text (``source`` ``"text"``) count
-    :data:`TEXT_COUNT_WEIGHT` each: the drafter serves chat answers, and that text (much of it
-    code) would otherwise decide the head. Returns ``min(k, vocab_size)`` distinct ids, sorted, int32."""
+    :data:`TEXT_COUNT_WEIGHT` each (0: not at all): the drafter serves chat answers, and that
+    text (much of it code) would otherwise decide the head. Returns ``min(k, vocab_size)`` distinct ids, sorted, int32."""
     k = min(k, vocab_size)
     c = Counter()
     for s in seqs:
         w = TEXT_COUNT_WEIGHT if s.get("source") == "text" else 1.0
-        for t in s["ids"]:
-            c[t] += w
+        if w:
+            for t in s["ids"]:
+                c[t] += w
     ranked = sorted(c.items(), key=lambda kv: (-kv[1], kv[0]))
     chosen = [i for i, _ in ranked[:k] if i < vocab_size]
     have = set(chosen)
