@@ -182,3 +182,63 @@ def test_verification_blocks_equal_one_token_calls_int8():
             blk = apply(target.params, jnp.asarray([seq[pos:pos + t]]), pos + jnp.arange(t)[None], cache, chain)
             assert np.array_equal(np.asarray(blk.logits[0, 0]), np.asarray(one.logits[0, 0])), (pos, t)
         cache = one.cache
+
+
+LONG_QID, LONG_AT = 287, 64  # Spec-Bench summarization question (378 prompt tokens), the token where it went wrong
+
+
+@pytest.mark.gate_matrix
+@pytest.mark.xdist_group("int8")
+@pytest.mark.skipif(not os.path.exists(QUESTIONS), reason="Spec-Bench prompts not available")
+def test_one_token_call_equals_tree_verification_long_prompt_int8():
+    """Regression (found by `specjax bench` on the evaluation split: 3 long prompts of 33, int8,
+    every drafter and γ): the one-token call's attention ran its softmax ``exp`` inside a YNNPACK
+    reduce fusion (XLA CPU fused it with the ``jnp.max`` before it) while the tree verification
+    call's did not, so at token 64 of this prompt the first query's attention output was 1.7e-4
+    (relative) away, an int8 activation rounding flipped, and the logits moved by 2.3: greedy
+    speculative decoding left autoregressive decoding there. The softmax maximum is now
+    :func:`llama.pairwise_max` (no reduce op, so no such fusion). Checked: speculative (n-gram
+    γ 1) == autoregressive over 80 tokens, and the verification blocks of 2 and 4 tokens equal
+    one-token calls bit for bit at tokens 58..70."""
+    import jax
+    import jax.numpy as jnp
+
+    import specjax
+    from specjax.api import encode_prompts, load_drafter
+    from specjax.io.prompts import read_prompts
+    from specjax.models import llama
+
+    target = _model("int8")
+    text = next(p["prompt"] for p in read_prompts(QUESTIONS) if p["question_id"] == LONG_QID)
+    ids = encode_prompts(target, [text], chat=True)
+    ar = specjax.Decoder(target).generate(ids, max_new_tokens=80, eos_ids=[]).tokens[0]
+    spec = specjax.Decoder(target, load_drafter("ngram", target, "int8"), gamma=1).generate(
+        ids, max_new_tokens=80, eos_ids=[]).tokens[0]
+    assert spec == ar, f"speculative ≠ autoregressive from token {_first_diff(spec, ar)}"
+    cfg, seq, n0 = target.config, ids[0] + ar, len(ids[0])
+    apply = jax.jit(lambda p, t, pos, c, m: llama.apply(target.graphdef, p, t, pos, c, cfg, tree_mask=m))
+    cache = llama.KVCache.create(cfg, 1, 512, jnp.float32)
+    start = n0 + LONG_AT - 6
+    cache = apply(target.params, jnp.asarray([seq[:start]]), jnp.arange(start)[None], cache, None).cache
+    for pos in range(start, n0 + LONG_AT + 7):
+        one = apply(target.params, jnp.asarray([seq[pos:pos + 1]]), jnp.asarray([[pos]]), cache, None)
+        for t in (2, 4):
+            chain = jnp.tril(jnp.ones((1, t, t), bool))
+            blk = apply(target.params, jnp.asarray([seq[pos:pos + t]]), pos + jnp.arange(t)[None], cache, chain)
+            assert np.array_equal(np.asarray(blk.logits[0, 0]), np.asarray(one.logits[0, 0])), (pos - n0, t)
+        cache = one.cache
+
+
+def test_pairwise_max_is_the_maximum():
+    """:func:`llama.pairwise_max` (the attention's softmax maximum) equals ``jnp.max`` exactly,
+    over odd lengths (padding with -inf) and with -inf entries (masked slots)."""
+    import jax.numpy as jnp
+
+    from specjax.models import llama
+
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 3, 7, 64, 100):
+        x = rng.standard_normal((4, n, 5)).astype(np.float32)
+        x[0, : n // 2] = -np.inf
+        for axis in (0, 1, 2):
+            np.testing.assert_array_equal(np.asarray(llama.pairwise_max(jnp.asarray(x), axis=axis)), x.max(axis=axis))

@@ -189,6 +189,21 @@ def compact_tree_cache(
     return KVCache(k=[move(a) for a in cache.k], v=[move(a) for a in cache.v], lengths=cache.lengths)
 
 
+def _pairwise(x, axis: int, op, fill):
+    """Reduce ``axis`` with ``op`` in a fixed order: adjacent pairs, level by level (the axis
+    padded with ``fill`` to a power of two), as elementwise ops XLA cannot reorder or hand to a
+    library kernel (:func:`pairwise_sum`, :func:`pairwise_max`)."""
+    x = jnp.moveaxis(x, axis, -1)
+    n = x.shape[-1]
+    size = 1 << max(n - 1, 0).bit_length()
+    if size != n:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - n)], constant_values=fill)
+    while x.shape[-1] > 1:
+        x = x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2)
+        x = op(x[..., 0], x[..., 1])
+    return x[..., 0]
+
+
 def pairwise_sum(x, axis: int = -1):
     """Sum over ``axis`` in a fixed order: adjacent pairs, level by level (the axis zero-padded
     to a power of two), written as elementwise adds so XLA cannot reorder it.
@@ -199,15 +214,18 @@ def pairwise_sum(x, axis: int = -1):
     change it (``x + 0 = x``), so a sum over a longer, zero-masked cache equals the sum over
     the live part. Batch invariance (docs/design.md) rests on this.
     """
-    x = jnp.moveaxis(x, axis, -1)
-    n = x.shape[-1]
-    size = 1 << max(n - 1, 0).bit_length()
-    if size != n:
-        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - n)])
-    while x.shape[-1] > 1:
-        x = x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2)
-        x = x[..., 0] + x[..., 1]
-    return x[..., 0]
+    return _pairwise(x, axis, jnp.add, 0.0)
+
+
+def pairwise_max(x, axis: int = -1):
+    """Maximum over ``axis`` as elementwise ``maximum`` ops (exact, like ``jnp.max``). Why not
+    ``jnp.max``: XLA CPU hands a reduce and the elementwise ops that consume it (the softmax's
+    ``exp(s - max)``) to a YNNPACK fusion in some programs and not in others, and YNNPACK's
+    ``exp`` rounds differently from XLA's: measured, a one-token int8 call's attention output
+    1.7e-4 (relative) away from the same row verified in a two-token tree call, enough to flip an
+    activation's int8 rounding and a greedy token (question 287 of Spec-Bench). With no reduce
+    op there is no such fusion, and every program computes the same ``exp``."""
+    return _pairwise(x, axis, jnp.maximum, -jnp.inf)
 
 
 def rms_norm(x, w, eps):
@@ -228,7 +246,9 @@ def _rows_padded(x2d, fn):
 
 def quantize_rows(x):
     """Dynamic symmetric int8 per row: ``x [M, K] ≈ q * scale[:, None]``."""
-    amax = jnp.max(jnp.abs(x), axis=-1)
+    # the barrier keeps the division below out of a library reduce fusion (see pairwise_max);
+    # a pairwise maximum over K here costs ~1 ms per step
+    amax = jax.lax.optimization_barrier(jnp.max(jnp.abs(x), axis=-1))
     scale = jnp.where(amax > 0, amax / 127.0, 1.0)
     q = jnp.clip(jnp.round(x / scale[:, None]), -127, 127).astype(jnp.int8)
     return q, scale
@@ -342,7 +362,7 @@ class _TreeWindow:
     def max(self):
         """The window's score maximum per query, ``[B, KV, 1, G·T, 1]`` (-inf if none visible)."""
         b, t, g = self.dims
-        mw = jnp.max(self.scores, axis=(2, 4))  # [B·T, KV, G]
+        mw = pairwise_max(pairwise_max(self.scores, axis=-1), axis=2)  # [B·T, KV, G] (exact)
         return mw.reshape(b, t, -1, g).transpose(0, 2, 3, 1).reshape(b, -1, 1, g * t, 1)
 
     def add_to(self, block_sums, part, m):
@@ -472,7 +492,9 @@ def _attention(q, k_cache, v_cache, positions, cfg: ModelConfig, tree_mask=None)
         window = _tree_window(scores, v_cache, positions, tree_mask, blk, dt)
         visible = window.outside[:, None, :, None, :]  # [B, 1, NB, 1, blk]
     scores = jnp.where(visible, scores, -jnp.inf)
-    m = jnp.max(scores, axis=(2, 4), keepdims=True)  # exact; slot 0 is always visible
+    # exact; slot 0 is always visible. Not jnp.max: see pairwise_max (the exp below must not
+    # land in a library fusion in one program and not in another)
+    m = pairwise_max(pairwise_max(scores, axis=-1), axis=2)[:, :, None, :, None]  # [B, KV, 1, G·T, 1]
     if window is not None:
         m = jnp.maximum(m, window.max())
     e = jnp.where(visible, jnp.exp(scores - m), 0.0).astype(dt)
