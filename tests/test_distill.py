@@ -170,6 +170,7 @@ def test_shipped_drafter_default_model(default_model):
 
     dr = load_drafter("default", default_model)
     assert dr.config.hidden_size == default_model.config.hidden_size
+    assert dr.config.feature_layers == (1, 14, 27) and dr.config.copy_ngram == 3  # EAGLE-3-style, copy term
     # another target (one weight tensor changed; a tiny model) is refused
     params = default_model.params
     other = default_model.replace(params=jax_tree_scale_embed(params), name="other")
@@ -364,6 +365,18 @@ def test_fused_features_ttt_learns_and_time_budget_resume_is_bitwise(tiny_setup)
         assert a[k].tobytes() == b[k].tobytes(), f"{k} differs after a time-budget stop and --resume"
     with pytest.raises(DistillError, match="features of width"):
         distill.run(_args(tiny_setup, tiny_setup / "f_bad", "--data-dir", data, "--steps", "1"))
+    # --init-from a fused drafter: a warm start with the same blocks (fuse kept at step 0), refused otherwise
+    warm = distill.run(_args(tiny_setup, tiny_setup / "f_warm", "--init-from", str(tiny_setup / "f_ref" / "drafter"),
+                             "--data-dir", data, "--steps", "2", "--eval-every", "0", "--lr", "1e-30", *fused))
+    assert warm["step"] == 2
+    w = _tensors(tiny_setup / "f_warm")
+    assert w["fuse"].tobytes() == a["fuse"].tobytes()  # lr 1e-30: steps below float32 resolution, the warm start kept
+    with pytest.raises(DistillError, match="pass --feature-layers 0,1"):
+        distill.run(_args(tiny_setup, tiny_setup / "f_bad2", "--init-from", str(tiny_setup / "f_ref" / "drafter"),
+                          "--data-dir", data, "--steps", "1"))
+    with pytest.raises(DistillError, match="pass --feature-layers 0,1"):
+        distill.run(_args(tiny_setup, tiny_setup / "f_bad3", "--init-from", str(tiny_setup / "f_ref" / "drafter"),
+                          "--data-dir", data, "--steps", "1", "--feature-layers", "1"))
 
 
 def test_evaluate_without_eval_sequences_reports_zero():

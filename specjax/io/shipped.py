@@ -1,9 +1,9 @@
 """Drafters shipped inside the package (``models/`` in the repository, installed as
 ``specjax.shipped_models``).
 
-``--draft default`` loads :data:`DEFAULT_DRAFTER`, the EAGLE-style feature drafter trained
-with ``specjax distill`` for the default target (SmolLM2-135M-Instruct). Only the drafter's
-own weights are stored; the frozen parts (token embedding, the sub-vocabulary rows of the
+``--draft default`` loads :data:`DEFAULT_DRAFTER`, the EAGLE-3-style feature drafter (fused
+low/mid/high target features, training-time test) trained with ``specjax distill`` for the
+default target (SmolLM2-135M-Instruct). Only the drafter's own weights are stored; the frozen parts (token embedding, the sub-vocabulary rows of the
 tied LM head) are gathered from the target at load time, after checking that the target
 is the one the drafter was trained for (fingerprint of its config, a few weight tensors
 and its tokenizer).
@@ -15,7 +15,7 @@ from importlib import resources
 
 from specjax.models.config import CheckpointError
 
-DEFAULT_DRAFTER = "smollm2-135m-instruct-eagle"
+DEFAULT_DRAFTER = "smollm2-135m-instruct-eagle3"
 
 
 def shipped_drafter_path(name: str = DEFAULT_DRAFTER):

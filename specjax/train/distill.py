@@ -249,6 +249,10 @@ def _init_drafter(s, target, sub_ids, init):
     cfg = eagle.EagleConfig.for_target(target.config, len(sub_ids), s.intermediate, copy_ngram=s.copy_ngram,
                                        feature_layers=eagle.resolve_feature_layers(s.feature_layers, target.config))
     frozen = eagle.frozen_params(target, sub_ids)
+    if init is not None and tuple(init.config.feature_layers) != tuple(cfg.feature_layers):
+        raise DistillError(f"--init-from {s.init_from}: that drafter reads target blocks "
+                           f"{tuple(init.config.feature_layers) or 'none (last hidden state)'}, --feature-layers "
+                           f"{s.feature_layers} gives {tuple(cfg.feature_layers) or 'none'}")
     if init is None:
         return cfg, frozen, eagle.init_params(cfg, s.seed, target.params["final_norm"][...])
     same = init.config.copy_ngram == s.copy_ngram

@@ -77,8 +77,8 @@ def check_args(s, export_only: bool = False) -> None:
             raise DistillError(f"--text-corpus {path}: no such file or directory")
     if fl is not None and getattr(s, "data", "target") != "target":
         raise DistillError("--feature-layers trains on target data only (--data target)")
-    if fl is not None and getattr(s, "init_from", None):
-        raise DistillError("--feature-layers with --init-from is not supported: a fused-feature drafter starts fresh")
+    if getattr(s, "init_from", None):
+        _check_init_features(s.init_from, fl)
     if getattr(s, "train_only", None) == "copy" and not (s.copy_ngram and s.init_from):
         raise DistillError("--train-only copy fits the copy term of a trained drafter: give --copy-ngram N and "
                            "--init-from DRAFTER_DIR")
@@ -134,3 +134,26 @@ def check_out_dir(out: str) -> None:
         check_writable(os.path.join(out, "run.json"))
     except ValueError as e:
         raise DistillError(str(e).replace(f"--out {os.path.join(out, 'run.json')}", f"--out {out}")) from None
+
+
+def _check_init_features(init_from: str, feature_layers) -> None:
+    """``--init-from`` keeps the drafter's inputs: a fused-feature drafter (EAGLE-3 style) needs
+    ``--feature-layers`` naming the same blocks, a plain one none (checked from its drafter.json,
+    before the target is loaded; ``eagle3`` is compared after loading, in distill)."""
+    import json
+
+    path = os.path.join(os.path.expanduser(init_from), "drafter.json")
+    try:
+        with open(path) as f:
+            saved = (json.load(f).get("config") or {}).get("feature_layers") or []
+    except (OSError, ValueError):
+        return  # missing or unreadable: reported where the drafter is loaded
+    if saved and feature_layers is None:
+        raise DistillError(f"--init-from {init_from}: that drafter reads target blocks {','.join(map(str, saved))}; "
+                           f"pass --feature-layers {','.join(map(str, saved))}")
+    if not saved and feature_layers is not None:
+        raise DistillError(f"--init-from {init_from}: that drafter reads the last hidden state only; drop "
+                           "--feature-layers (or train a fused-feature drafter from scratch)")
+    if saved and feature_layers != "eagle3" and [int(x) for x in str(feature_layers).split(",")] != list(saved):
+        raise DistillError(f"--init-from {init_from}: that drafter reads target blocks {','.join(map(str, saved))}, "
+                           f"not {feature_layers}; pass --feature-layers {','.join(map(str, saved))}")
