@@ -139,6 +139,29 @@ def test_row_tokens_do_not_depend_on_the_batch(fmt, method, prompts, capsys):
             print("\n[batch invariance] " + line)
 
 
+def _blocks_equal_one_token_calls(target, seq, prefill: int, stop: int, slots: int, label: int = 0):
+    """The kernel-level statement behind speculative == autoregressive: with the cache of
+    ``seq[:prefill]``, at every position ``prefill .. stop - 1`` the first query of a 2- and a
+    4-token chain-tree block gives the one-token call's logits bit for bit (positions reported
+    relative to ``label``)."""
+    import jax
+    import jax.numpy as jnp
+
+    from specjax.models import llama
+
+    cfg = target.config
+    apply = jax.jit(lambda p, t, pos, c, m: llama.apply(target.graphdef, p, t, pos, c, cfg, tree_mask=m))
+    cache = llama.KVCache.create(cfg, 1, slots, jnp.float32)
+    cache = apply(target.params, jnp.asarray([seq[:prefill]]), jnp.arange(prefill)[None], cache, None).cache
+    for pos in range(prefill, stop):
+        one = apply(target.params, jnp.asarray([seq[pos:pos + 1]]), jnp.asarray([[pos]]), cache, None)
+        for t in (2, 4):
+            chain = jnp.tril(jnp.ones((1, t, t), bool))
+            blk = apply(target.params, jnp.asarray([seq[pos:pos + t]]), pos + jnp.arange(t)[None], cache, chain)
+            assert np.array_equal(np.asarray(blk.logits[0, 0]), np.asarray(one.logits[0, 0])), (pos - label, t)
+        cache = one.cache
+
+
 REGRESSION_QID = 361  # a Spec-Bench qa question (evaluation split) where it went wrong
 
 
@@ -153,13 +176,9 @@ def test_verification_blocks_equal_one_token_calls_int8():
     chains as chain trees (loop._target_step). Checked here: the loop's 2- and 4-token
     verification calls equal one-token calls bit for bit along 100 tokens, and the decoded
     tokens are equal."""
-    import jax
-    import jax.numpy as jnp
-
     import specjax
     from specjax.api import encode_prompts, load_drafter
     from specjax.io.prompts import read_prompts
-    from specjax.models import llama
 
     target = _model("int8")
     text = next(p["prompt"] for p in read_prompts(QUESTIONS) if p["question_id"] == REGRESSION_QID)
@@ -170,18 +189,8 @@ def test_verification_blocks_equal_one_token_calls_int8():
         spec = specjax.Decoder(target, drafter, gamma=gamma).generate(ids, max_new_tokens=100, eos_ids=[]).tokens[0]
         assert spec == ar, f"γ {gamma}: speculative ≠ autoregressive from token {_first_diff(spec, ar)}"
     # the kernel-level statement behind it: first query of a chain-tree block == the one-token call
-    cfg, seq = target.config, ids[0] + ar
-    apply = jax.jit(lambda p, t, pos, c, m: llama.apply(target.graphdef, p, t, pos, c, cfg, tree_mask=m))
-    cache = llama.KVCache.create(cfg, 1, 256, jnp.float32)
     n0 = len(ids[0])
-    cache = apply(target.params, jnp.asarray([seq[:n0]]), jnp.arange(n0)[None], cache, None).cache
-    for pos in range(n0, n0 + 60):
-        one = apply(target.params, jnp.asarray([seq[pos:pos + 1]]), jnp.asarray([[pos]]), cache, None)
-        for t in (2, 4):
-            chain = jnp.tril(jnp.ones((1, t, t), bool))
-            blk = apply(target.params, jnp.asarray([seq[pos:pos + t]]), pos + jnp.arange(t)[None], cache, chain)
-            assert np.array_equal(np.asarray(blk.logits[0, 0]), np.asarray(one.logits[0, 0])), (pos, t)
-        cache = one.cache
+    _blocks_equal_one_token_calls(target, ids[0] + ar, n0, n0 + 60, 256)
 
 
 LONG_QID, LONG_AT = 287, 64  # Spec-Bench summarization question (378 prompt tokens), the token where it went wrong
@@ -200,13 +209,9 @@ def test_one_token_call_equals_tree_verification_long_prompt_int8():
     :func:`llama.pairwise_max` (no reduce op, so no such fusion). Checked: speculative (n-gram
     γ 1) == autoregressive over 80 tokens, and the verification blocks of 2 and 4 tokens equal
     one-token calls bit for bit at tokens 58..70."""
-    import jax
-    import jax.numpy as jnp
-
     import specjax
     from specjax.api import encode_prompts, load_drafter
     from specjax.io.prompts import read_prompts
-    from specjax.models import llama
 
     target = _model("int8")
     text = next(p["prompt"] for p in read_prompts(QUESTIONS) if p["question_id"] == LONG_QID)
@@ -215,18 +220,8 @@ def test_one_token_call_equals_tree_verification_long_prompt_int8():
     spec = specjax.Decoder(target, load_drafter("ngram", target, "int8"), gamma=1).generate(
         ids, max_new_tokens=80, eos_ids=[]).tokens[0]
     assert spec == ar, f"speculative ≠ autoregressive from token {_first_diff(spec, ar)}"
-    cfg, seq, n0 = target.config, ids[0] + ar, len(ids[0])
-    apply = jax.jit(lambda p, t, pos, c, m: llama.apply(target.graphdef, p, t, pos, c, cfg, tree_mask=m))
-    cache = llama.KVCache.create(cfg, 1, 512, jnp.float32)
-    start = n0 + LONG_AT - 6
-    cache = apply(target.params, jnp.asarray([seq[:start]]), jnp.arange(start)[None], cache, None).cache
-    for pos in range(start, n0 + LONG_AT + 7):
-        one = apply(target.params, jnp.asarray([seq[pos:pos + 1]]), jnp.asarray([[pos]]), cache, None)
-        for t in (2, 4):
-            chain = jnp.tril(jnp.ones((1, t, t), bool))
-            blk = apply(target.params, jnp.asarray([seq[pos:pos + t]]), pos + jnp.arange(t)[None], cache, chain)
-            assert np.array_equal(np.asarray(blk.logits[0, 0]), np.asarray(one.logits[0, 0])), (pos - n0, t)
-        cache = one.cache
+    n0 = len(ids[0])
+    _blocks_equal_one_token_calls(target, ids[0] + ar, n0 + LONG_AT - 6, n0 + LONG_AT + 7, 512, label=n0)
 
 
 def test_pairwise_max_is_the_maximum():

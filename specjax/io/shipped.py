@@ -3,10 +3,10 @@
 
 ``--draft default`` loads :data:`DEFAULT_DRAFTER`, the EAGLE-3-style feature drafter (fused
 low/mid/high target features, training-time test) trained with ``specjax distill`` for the
-default target (SmolLM2-135M-Instruct). Only the drafter's own weights are stored; the frozen parts (token embedding, the sub-vocabulary rows of the
-tied LM head) are gathered from the target at load time, after checking that the target
-is the one the drafter was trained for (fingerprint of its config, a few weight tensors
-and its tokenizer).
+default target (SmolLM2-135M-Instruct). Only the drafter's own weights are stored; the frozen
+parts (token embedding, the sub-vocabulary rows of the tied LM head) are gathered from the
+target at load time, after checking that the target is the one the drafter was trained for
+(fingerprint of its config, a few weight tensors and its tokenizer).
 """
 
 from __future__ import annotations
