@@ -187,8 +187,8 @@ def test_real_accuracy_against_float32(default_model, formats_models, real_promp
     """bfloat16 top-1 agreement with float32 >= 98% on real prompts; int8 reported."""
     from specjax.eval.formats import accuracy_report, format_report
 
-    # all 10 prompts, 32 tokens: the same autoregressive programs as the exactness test below
-    # (compiled once, then read from the persistent compilation cache)
+    # all 10 prompts, 32 tokens (the same autoregressive programs as the exactness test below,
+    # which runs in .ci/run's gate-matrix phase)
     rep = accuracy_report(default_model, formats_models, real_prompts, max_new_tokens=32)
     print("\n" + format_report(rep, 32))
     assert rep["bfloat16"]["top1_agreement"] >= 0.98, rep["bfloat16"]
@@ -196,6 +196,7 @@ def test_real_accuracy_against_float32(default_model, formats_models, real_promp
     assert 0 < rep["int8"]["top1_agreement"] <= 1
 
 
+@pytest.mark.gate_matrix  # the gate matrix compares speculative and autoregressive bit for bit in every format
 @pytest.mark.parametrize("fmt", ["bfloat16", "int8"])
 def test_real_greedy_speculative_equals_autoregressive_in_format(fmt, formats_models, real_prompts):
     """Within a format, greedy speculative == greedy autoregressive on 10 real prompts, except
