@@ -51,22 +51,30 @@ def executed(tmp_path_factory):
     env.setdefault("JAX_COMPILATION_CACHE_DIR", cache)
     env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
     env.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-    procs = {}
-    for name in NOTEBOOKS:
+    def start(name):
         dst = tmp / name
         shutil.copy(os.path.join(NB_DIR, name), dst)
-        procs[name] = (dst, time.perf_counter(), subprocess.Popen(
+        return dst, time.perf_counter(), subprocess.Popen(
             [sys.executable, "-c", _RUNNER, str(dst), str(CELL_TIMEOUT_S), str(tmp)], env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    out = {}
-    for name, (dst, t0, proc) in procs.items():
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def finish(dst, t0, proc):
         try:
             log, _ = proc.communicate(timeout=TOTAL_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             proc.kill()
             log, _ = proc.communicate()
             log = f"timed out after {TOTAL_TIMEOUT_S} s\n" + log
-        out[name] = (proc.returncode, log, nbformat.read(str(dst), as_version=4), time.perf_counter() - t0)
+        return proc.returncode, log, nbformat.read(str(dst), as_version=4), time.perf_counter() - t0
+
+    procs = {name: start(name) for name in NOTEBOOKS}
+    out = {}
+    for name, run in procs.items():
+        out[name] = finish(*run)
+        # two kernels starting at once can race for the same free port (jupyter_client picks ports,
+        # then the kernel binds them): that kernel never ran a cell, so it is started once more
+        if out[name][0] != 0 and "Address already in use" in out[name][1]:
+            out[name] = finish(*start(name))
     return out
 
 
