@@ -94,8 +94,8 @@ def _compare(fmt, label, a, b, ma, mb, near_ties):
 def _cases():
     """Every (format, method): the ``gate_matrix`` phase of .ci/run (``python -m pytest -m
     gate_matrix``, ≈ 15 min on 2 cores); a case run alone (``-k``) makes its own
-    autoregressive reference. (The suite itself stays under 15 minutes: its kernel-level check
-    is ``test_one_token_call_equals_tree_verification``-style tests and the tiny-model ones.)"""
+    autoregressive reference. (The suite's own real-model check is
+    ``test_verification_blocks_equal_one_token_calls_int8_in_prompt``.)"""
     for fmt in ("float32", "bfloat16", "int8"):
         for method in METHODS:  # methods vary fastest: one format loaded at a time
             group = pytest.mark.xdist_group(fmt)  # one worker per format under pytest -n (shared AR run)
