@@ -16,6 +16,10 @@ os.makedirs(_CACHE, exist_ok=True)
 jax.config.update("jax_compilation_cache_dir", os.path.abspath(_CACHE))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+# Measurements and converted weights of the tests (and of the CLI subprocesses they start) stay in
+# the checkout, not in the user's ~/.cache/specjax; tests that check the caches use their own folders.
+os.environ.setdefault("SPECJAX_CACHE_DIR", os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
+                                                                        ".specjax_test_cache")))
 
 
 class FakeStdin(io.TextIOWrapper):

@@ -8,8 +8,8 @@ import re
 import sys
 
 from specjax.cli.common import (
-    UsageError, add_model_args, collect_prompts, load_target_and_drafter, note, parse_gamma, resolve,
-    resolve_auto_dtype,
+    UsageError, add_model_args, check_logprobs, collect_prompts, load_target_and_drafter, note, note_prompt_caps,
+    parse_gamma, peek_vocab_size, resolve, resolve_auto_dtype,
 )
 
 
@@ -42,13 +42,14 @@ def generate_prompts(args) -> list[dict]:
 
 def cmd_generate(args) -> int:
     from specjax.api import generate_text
+    from specjax.io.loading import conversion_cached, recording_loads
     from specjax.runtime.progress import Progress, phase
 
     s = resolve(args)
     prompts = generate_prompts(args)
     gamma = parse_gamma(s["gamma"])
-    if args.logprobs is not None and args.logprobs < 0:
-        raise UsageError(f"--logprobs must be an integer >= 0 (top alternatives per token), got {args.logprobs}")
+    # before the model loads: the vocabulary size from the GGUF metadata or config.json (a hub id: after the load)
+    check_logprobs(args.logprobs, None if args.logprobs is None else peek_vocab_size(s["model"]))
     args.stop = [unescape(x) for x in args.stop or []]
     if any(not x for x in args.stop):
         raise UsageError("--stop needs a non-empty string")
@@ -66,13 +67,26 @@ def cmd_generate(args) -> int:
     step_tokens = (tree.nodes + 1 if tree is not None else gamma + 1) if drafting and gamma != "auto" else 1
     preloaded = resolve_auto_dtype(s, progress, tokens=step_tokens, mesh=mesh)
     what = (f"loading {draft}" if preloaded is not None else f"loading {model}" + (f" and {draft}" if drafting else ""))
-    with phase(progress if preloaded is None or drafting else None, what + f" ({s['dtype']})"):
-        target, drafter = load_target_and_drafter(s, mesh=mesh, target=preloaded)
+    # the converted weights of an earlier run (specjax.io.convcache): no GGUF reader, no conversion
+    cached = preloaded is None and mesh is None and conversion_cached(s["model"], s["dtype"])
+    with phase(progress if preloaded is None or drafting else None,
+               what + f" ({s['dtype']}{', cached conversion' if cached else ''})") as ph, recording_loads() as loads:
+        target, drafter = load_target_and_drafter(s, mesh=mesh, target=preloaded, cap_note=False)
+        if cached and not (loads and loads[0]["cached"]):  # the target's load came first
+            ph.detail = " (converted again)"
+    check_logprobs(args.logprobs, target.config.vocab_size)
     chat = s["chat"]
     if chat is None:
         chat = target.tokenizer is not None and bool(target.tokenizer.chat_template)
+    if s["max_new_tokens_given"] and target.tokenizer is not None:  # the cap of each prompt, said once
+        from specjax.api import encode_prompts
+
+        ids = encode_prompts(target, [p["prompt"] for p in prompts], chat, s["parse_special"])
+        note_prompt_caps(s["max_new_tokens"], [len(x) for x in ids], target, drafter)
     if gamma == "auto":  # resolve() already refused --gamma auto without a drafter (and with a tree)
         gamma = auto_gamma(target, drafter, prompts, s, args, chat, progress)
+        if gamma is None:  # speculation is not predicted to pay: decode without it (the note said so)
+            drafter, gamma = None, 1
     stream = not args.json and not args.no_stream and args.batch_size == 1
     method = "autoregressive"
     if drafter is not None:
@@ -101,7 +115,8 @@ def cmd_generate(args) -> int:
         st = o["stats"]
         extra = ""
         if drafter is not None:
-            extra = f", {st['mean_accepted_tokens']:.2f} tokens/target call, acceptance {st['acceptance_rate']:.2f}"
+            acc = "–" if st["acceptance_rate"] is None else f"{st['acceptance_rate']:.2f}"
+            extra = f", {st['mean_accepted_tokens']:.2f} tokens/target call, acceptance {acc}"
         print(f"[{st['new_tokens']} tokens, {st['tokens_per_s']:.1f} tokens/s{extra}, "
               f"finish: {st['finish_reason']}]", file=sys.stderr, flush=True)
 
@@ -117,11 +132,13 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def auto_gamma(target, drafter, prompts, s: dict, args, chat: bool, progress) -> int:
+def auto_gamma(target, drafter, prompts, s: dict, args, chat: bool, progress) -> int | None:
     """``--gamma auto``: γ from costs and α measured quickly or read from the measurement cache
     (:func:`specjax.eval.measure.recommend`), on the run's prompts as they are encoded, its
     sampling settings and ``max_new_tokens``; one ``specjax: note:`` line says what was chosen
-    and from what."""
+    and from what. ``None`` when even the best γ is predicted slower than autoregressive
+    decoding (predicted speedup < 1): then the run decodes without speculation, and the note
+    says so."""
     from specjax.api import encode_prompts
     from specjax.eval import hostcache, measure
     from specjax.runtime.settings import DecodeSettings
@@ -136,11 +153,14 @@ def auto_gamma(target, drafter, prompts, s: dict, args, chat: bool, progress) ->
 
     def src(x):
         return f"cached {x['created']}" if x["cached"] else "measured now"
-    note(f"--gamma auto chose γ = {gamma}: α = {rep['alpha']:.2f} ({src(rep['alpha_source'])}), "
-         f"c(γ) = {rep['c'][g]:.3f} and v(γ) = {rep['v'][g]:.2f} ({src(rep['costs_source'])}): "
-         f"predicted {rep['predicted_speedup']:.2f}× over autoregressive"
-         + ("; speculation is not predicted to pay here (--draft none decodes autoregressively)"
-            if rep["predicted_speedup"] < 1 else ""))
+    why = (f"α = {rep['alpha']:.2f} ({src(rep['alpha_source'])}), c(γ) = {rep['c'][g]:.3f} and v(γ) = "
+           f"{rep['v'][g]:.2f} ({src(rep['costs_source'])}): predicted {rep['predicted_speedup']:.2f}× over "
+           "autoregressive")
+    if not rep["predicted_speedup"] >= 1:
+        note(f"--gamma auto chose no speculation (autoregressive decoding): speculation is not predicted to pay "
+             f"here, the best γ = {gamma} has {why}; give --gamma N to speculate anyway")
+        return None
+    note(f"--gamma auto chose γ = {gamma}: {why}")
     return gamma
 
 

