@@ -13,24 +13,27 @@ import os
 import tomllib
 from typing import Any, Sequence
 
-from specjax.core.drafting import TreeShape
+from specjax.core.drafting import MAX_NGRAM, TreeShape
 from specjax.models.config import CheckpointError
 from specjax.runtime.decoder import Decoder
 from specjax.runtime.settings import DecodeSettings
 from specjax.runtime.stats import RunStats
 from specjax.drafters.model import ModelDrafter, check_vocab_compatible
 from specjax.drafters.ngram import NgramDrafter
-from specjax.io.files import read_utf8
+from specjax.io.files import check_safetensors, read_json, read_utf8
 from specjax.io.loading import Model, load_model
 
 DRAFT_CHOICES = "none, ngram[:N], default, or a drafter PATH_OR_ID"
 
 
 def check_draft_spec(spec: str | None) -> None:
-    """Validate a ``--draft`` value without loading anything (before the target loads).
+    """Validate a ``--draft`` value without loading anything (before the target loads): for a
+    drafter directory also its ``drafter.json`` / ``config.json`` (valid JSON) and its
+    ``*.safetensors`` files (complete, from their headers; no tensor is read).
 
     Raises:
-      ValueError: an unknown spec, a bad n-gram size, or a drafter path that does not exist.
+      ValueError: an unknown spec, an n-gram size outside [1, ``MAX_NGRAM``], a drafter path that
+        does not exist, or a drafter directory with a broken JSON file or a truncated weights file.
     """
     if spec is None or spec in ("none", "default"):
         return
@@ -40,12 +43,16 @@ def check_draft_spec(spec: str | None) -> None:
         n = spec.split(":", 1)[1] if ":" in spec else "3"
         if not n.isdigit() or int(n) < 1:
             raise ValueError(f"--draft {spec!r}: the n-gram size must be an integer >= 1, e.g. ngram:3")
+        if int(n) > MAX_NGRAM:
+            raise ValueError(f"--draft {spec!r}: the n-gram size must be <= {MAX_NGRAM}; use ngram:{MAX_NGRAM} or "
+                             "less (e.g. ngram:3, the default)")
         return
     path = os.path.expanduser(spec)
     if os.path.isdir(path):
         if not any(os.path.isfile(os.path.join(path, f)) for f in ("config.json", "drafter.json")):
             raise ValueError(f"--draft {spec!r}: the directory has no config.json (a draft model) or drafter.json "
                              f"(a drafter from specjax distill); use {DRAFT_CHOICES}")
+        _check_drafter_files(spec, path)
         return
     if os.path.exists(path):
         if not path.endswith(".gguf"):
@@ -55,6 +62,23 @@ def check_draft_spec(spec: str | None) -> None:
         raise ValueError(f"--draft {spec!r}: no such file or directory; use {DRAFT_CHOICES}")
     if spec.count("/") != 1:
         raise ValueError(f"unknown --draft value {spec!r}; use {DRAFT_CHOICES}")
+
+
+def _check_drafter_files(spec: str, path: str) -> None:
+    """The cheap checks of a drafter directory's files: its JSON files parse, its safetensors
+    files are complete (headers only). Raises ValueError naming the file and the fix."""
+    fix = ("re-download or re-copy the drafter, or write it again (a drafter of specjax distill: "
+           "specjax distill --out RUN --resume --export-only)")
+    try:
+        for name in ("drafter.json", "config.json"):
+            f = os.path.join(path, name)
+            if os.path.isfile(f):
+                read_json(f, ValueError, fix)
+        for name in sorted(os.listdir(path)):
+            if name.endswith(".safetensors"):
+                check_safetensors(os.path.join(path, name), ValueError, fix)
+    except ValueError as e:
+        raise ValueError(f"--draft {spec}: {e}") from None
 
 
 def draft_spec_proposes_trees(spec: str | None) -> bool:

@@ -99,6 +99,14 @@ def f(tmp_path_factory):
         out[f"toml_{key}"] = w(f"type_{key}.toml", f"{key} = {val}\n")
     out["split"] = w("split.json", json.dumps({"train": [0], "eval": [0]}))
     out["trunc_gguf"] = w("trunc.gguf", open(loading.default_model_path(), "rb").read(100_000))
+    # drafter directories broken in their drafter.json or their weights (checked before the target loads)
+    weights = open(os.path.join(good, "model.safetensors"), "rb").read()
+    w("bad_drafter_json/drafter.json", '{"config": {"sub_vocab": 8,,\n  "num_heads": 2}}')
+    w("bad_drafter_json/model.safetensors", weights)
+    out["bad_drafter_json"] = str(root / "bad_drafter_json")
+    w("trunc_drafter/drafter.json", '{"config": {}}')
+    w("trunc_drafter/model.safetensors", weights[: len(weights) - 100])
+    out["trunc_drafter"] = str(root / "trunc_drafter")
     return out
 
 
@@ -205,6 +213,36 @@ EARLY = [
       "--bench-gammas", "2,x"], ["--bench-gammas"]),
     (["distill", "--out", "{root}/d_bn", "--bench", "{root}/nope", "--prompts", "{ok_jsonl}", "--split", "{split}"],
      ["--bench", "no such drafter directory"]),
+    # upper bounds of the decode shapes (specjax.core.drafting.MAX_*), before any load
+    ([*G, "--draft", "ngram", "--gamma", "100000"], ["--gamma 100000", "limit of 64", "--gamma 64 or less"]),
+    ([*G, "--draft", "ngram", "--gamma", "65", "--max-new-tokens", "200"], ["--gamma 65", "limit of 64"]),
+    ([*G, "--draft", "ngram:100000"], ["ngram:100000", "<= 16", "ngram:16 or less"]),
+    ([*G, "--draft", "ngram", "--tree-nodes", "2000", "--tree-depth", "50", "--tree-topk", "8"],
+     ["--tree-nodes", "<= 512", "got 2000", "at most 512"]),
+    ([*G, "--draft", "ngram", "--tree-nodes", "100", "--tree-depth", "65", "--tree-topk", "2"],
+     ["--tree-depth", "<= 64", "at most 64"]),
+    ([*G, "--draft", "ngram", "--tree-nodes", "100", "--tree-depth", "4", "--tree-topk", "33"],
+     ["--tree-topk", "<= 32", "at most 32"]),
+    (["bench", "--prompts", "{ok_jsonl}", "--gamma", "2", "1000"], ["--gamma 1000", "limit of 64"]),
+    (["analyze", "--prompt", "hi", "--draft", "ngram", "--gamma", "100000"], ["--gamma 100000", "limit of 64"]),
+    (["analyze", "--prompt", "hi", "--draft", "ngram", "--gamma-max", "65"], ["--gamma-max", "[1, 64]", "65"]),
+    # --logprobs above the vocabulary: read from the GGUF metadata / config.json, not the weights
+    ([*G, "--logprobs", "100000"], ["--logprobs 100000", "49152 tokens", "--logprobs 49152 or less"]),
+    ([*G, "--model", "{good}", "--logprobs", "129"], ["--logprobs 129", "128 tokens", "--logprobs 128 or less"]),
+    # a drafter directory with a broken drafter.json or truncated weights, before the target loads
+    ([*G, "--draft", "{bad_drafter_json}"], ["--draft", "bad_drafter_json/drafter.json:1", "not valid JSON",
+                                             "re-download or re-copy the drafter"]),
+    ([*G, "--draft", "{trunc_drafter}"], ["--draft", "trunc_drafter/model.safetensors", "truncated or corrupt",
+                                          "re-download"]),
+    ([*G, "--draft", "{trunc}"], ["--draft", "trunc/model.safetensors", "truncated or corrupt"]),
+    # --resume without a run to resume
+    (["distill", "--out", "{root}/d_no_run", "--resume"], ["--resume", "no run to resume", "d_no_run",
+                                                            "does not exist", "drop --resume"]),
+    (["distill", "--out", "{emptydir}", "--prompts", "{ok_jsonl}", "--resume"],
+     ["no run to resume", "emptydir", "it is empty", "drop --resume"]),
+    # --plot into a directory that does not exist (it is not created)
+    (["analyze", "--alpha", "0.5", "--c", "0.1", "--plot", "{root}/no_plot_dir/out.png"],
+     ["--plot", "no_plot_dir", "does not exist", "mkdir -p"]),
 ]
 
 
@@ -283,20 +321,41 @@ def test_max_new_tokens_cap_note(capsys):
     assert capsys.readouterr().err == ""
 
 
-def test_max_new_tokens_cap_note_end_to_end(tmp_path, capsys):
-    """The cap is kept (the run succeeds) and said once, on stderr, before the output."""
+@pytest.fixture(scope="module")
+def ctx16(tmp_path_factory):
+    """A tiny model with a word tokenizer (``w3 w4 …``) and a 16-token context, saved."""
     from test_cli import _word_tokenizer
 
     m = tiny_model(seed=21, max_position_embeddings=16)
-    d = save_model(m.replace(tokenizer=_word_tokenizer(m.config.vocab_size)), str(tmp_path / "ctx16"))
-    rc = cli.main(["generate", "w3 w4 w5 w6", "--model", d, "--max-new-tokens", "1000000000", "--ignore-eos",
+    return save_model(m.replace(tokenizer=_word_tokenizer(m.config.vocab_size)),
+                      str(tmp_path_factory.mktemp("ctx") / "ctx16"))
+
+
+@pytest.mark.parametrize("max_new", ["1000000000", "100", "13"])
+def test_max_new_tokens_cap_note_end_to_end(ctx16, capsys, max_new):
+    """The cap is kept (the run succeeds) and said once, on stderr, before the output, with the
+    prompt's length and the new tokens it leaves — also when --max-new-tokens alone fits the
+    context (100 or 13 < 16 + a 4-token prompt), which used to be silent."""
+    rc = cli.main(["generate", "w3 w4 w5 w6", "--model", ctx16, "--max-new-tokens", max_new, "--ignore-eos",
                    "--json"])
     out, err = capsys.readouterr()
     assert rc == 0, err
     assert json.loads(out)["stats"]["new_tokens"] == 12  # 16-token context − 4 prompt tokens
     notes = [ln for ln in err.splitlines() if ln.startswith("specjax: ")]
-    assert notes == ["specjax: note: --max-new-tokens 1000000000 is capped to 16 − the prompt length: the context "
-                     "of ctx16 holds 16 tokens"], err
+    assert notes == [f"specjax: note: --max-new-tokens {max_new} is capped to 12: the prompt has 4 tokens and the "
+                     "context of ctx16 holds 16 tokens"], err
+
+
+def test_prompt_cap_note_names_each_capped_prompt(capsys):
+    target = tiny_model(seed=1, max_position_embeddings=16)
+    common.note_prompt_caps(13, [4, 2, 10, 9, 8, 3], target)
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"specjax: note: --max-new-tokens 13 is capped for 4 of 6 prompts to the context minus the prompt: prompt 0 "
+        f"(4 tokens) to 12, prompt 2 (10 tokens) to 6, prompt 3 (9 tokens) to 7 and 1 more (the context of "
+        f"{target.name} holds 16 tokens)"]
+    common.note_prompt_caps(12, [4, 3], target)  # fits: no note
+    common.note_prompt_caps(12, [16, 3], target)  # a prompt that does not fit at all: the decoder's error says it
+    assert capsys.readouterr().err == ""
 
 
 def test_distill_failed_run_does_not_block_rerun(f, no_load, capsys, tmp_path):
@@ -343,3 +402,197 @@ def test_api_string_instead_of_a_list_and_cli_version(capsys):
     except SystemExit as e:  # argparse's version action exits
         rc = e.code
     assert rc in (0, None) and capsys.readouterr().out.strip() == f"specjax {specjax.__version__}"
+
+
+# --------------------------------------------------------------------------- bounds, caps, pipes, caches
+def test_gamma_above_max_new_tokens_is_capped_with_a_note(no_load, capsys):
+    """``--gamma 1000 --max-new-tokens 16`` runs with γ 16 and says so (one note, before the load);
+    the bound of 64 applies to the γ that runs."""
+    with pytest.raises(Loaded):
+        cli.main([*G, "--draft", "ngram", "--gamma", "1000", "--max-new-tokens", "16"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["specjax: note: --gamma 1000 is more than --max-new-tokens 16: speculating with γ = 16 (a round "
+                   "never drafts more than the tokens still to generate)"], err
+    args, _ = cli.build_parser().parse_known_args([*G, "--draft", "ngram", "--gamma", "1000", "--max-new-tokens", "16"])
+    assert common.resolve(args)["gamma"] == 16
+    args, _ = cli.build_parser().parse_known_args([*G, "--draft", "ngram", "--gamma", "8", "--max-new-tokens", "16"])
+    assert common.resolve(args)["gamma"] == "8" and capsys.readouterr().err.count("note") == 1  # the first resolve
+
+
+def test_api_bounds_raise_value_error():
+    """The Python API refuses the same bounds (``specjax.core.drafting.MAX_*``) with ValueError."""
+    from test_cli import _word_tokenizer
+
+    from specjax.core.drafting import MAX_GAMMA, MAX_NGRAM, MAX_TREE_DEPTH, MAX_TREE_NODES, MAX_TREE_TOPK, TreeShape
+    from specjax.drafters.ngram import NgramDrafter
+    from specjax.runtime.decoder import Decoder
+
+    assert (MAX_GAMMA, MAX_NGRAM, MAX_TREE_NODES, MAX_TREE_DEPTH, MAX_TREE_TOPK) == (64, 16, 512, 64, 32)
+    m = tiny_model(seed=3)
+    m = m.replace(tokenizer=_word_tokenizer(m.config.vocab_size))
+    with pytest.raises(ValueError, match="must be <= 64"):
+        Decoder(m, NgramDrafter(3), gamma=65)
+    with pytest.raises(ValueError, match="must be <= 64"):
+        specjax.generate_text(m, ["w3 w4"], drafter=NgramDrafter(3), gamma=100000)
+    with pytest.raises(ValueError, match="tree nodes must be <= 512"):
+        specjax.generate_text(m, ["w3 w4"], drafter=NgramDrafter(3), tree_nodes=2000, tree_depth=50, tree_topk=8)
+    with pytest.raises(ValueError, match="tree depth must be <= 64"):
+        TreeShape(100, 65, 2)
+    with pytest.raises(ValueError, match="tree topk must be <= 32"):
+        TreeShape(100, 4, 33)
+    with pytest.raises(ValueError, match="max_ngram must be <= 16"):
+        NgramDrafter(max_ngram=17)
+    with pytest.raises(ValueError, match="<= 16"):
+        specjax.load_drafter("ngram:17", m)
+    assert Decoder(m, NgramDrafter(16), gamma=64).gamma == 64 and TreeShape(512, 64, 32).nodes == 512
+
+
+def test_broken_pipe_stops_quietly(tmp_path):
+    """``specjax generate … | head -c 10``: the reader goes away; generation stops at the next write,
+    with no error line, no traceback and exit status 141 (as a Unix tool killed by SIGPIPE)."""
+    import fcntl
+    import signal
+    import subprocess
+
+    from test_cli import _word_tokenizer
+
+    m = tiny_model(seed=5, max_position_embeddings=2048)
+    d = save_model(m.replace(tokenizer=_word_tokenizer(m.config.vocab_size)), str(tmp_path / "long"))
+    env = dict(os.environ, SPECJAX_NO_CACHE="1", SPECJAX_NO_PROGRESS="1", JAX_PLATFORMS="cpu")
+    env.pop("SPECJAX_DEBUG", None)
+    # ~1500 words (≈ 6 KB) through a pipe of 4 KB: the child must write after the reader has gone
+    p = subprocess.Popen([sys.executable, "-m", "specjax.cli", "generate", "w3 w4 w5", "--model", d, "--no-chat",
+                          "--ignore-eos", "--max-new-tokens", "1500"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env=env)
+    fcntl.fcntl(p.stdout.fileno(), getattr(fcntl, "F_SETPIPE_SZ", 1031), 4096)
+    first = p.stdout.read(10)
+    p.stdout.close()
+    _, err = p.communicate(timeout=600)
+    err = err.decode()
+    assert len(first) == 10
+    assert p.returncode in (0, 141, -signal.SIGPIPE), (p.returncode, err)
+    assert "Traceback" not in err and "specjax: error" not in err and "Exception ignored" not in err, err
+    assert "BrokenPipe" not in err and "Broken pipe" not in err, err
+    assert "tokens/s" not in err, err  # the run stopped: no per-prompt summary line
+
+
+@pytest.mark.parametrize("case", ["parent_is_a_file", "path_is_a_file", "read_only_dir"])
+def test_unusable_compile_cache_is_a_note(tmp_path, monkeypatch, capsys, case):
+    """``SPECJAX_CACHE`` that cannot be written: one note naming the variable, the cache stays off
+    (JAX's setting untouched), the run goes on."""
+    import jax
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    if case == "read_only_dir":
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o500)
+        if os.access(ro, os.W_OK):
+            pytest.skip("running as root: a read-only directory is still writable")
+        path = str(ro / "cache")
+    else:
+        path = str(a_file / "sub") if case == "parent_is_a_file" else str(a_file)
+    monkeypatch.setenv("SPECJAX_CACHE", path)
+    before = jax.config.jax_compilation_cache_dir
+    assert common.enable_compilation_cache() is False
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"specjax: note: the compilation cache {path} cannot be written"), err
+    assert "SPECJAX_CACHE" in err[0] and "running without it" in err[0]
+    assert jax.config.jax_compilation_cache_dir == before
+    assert a_file.read_text() == "x"
+
+
+def test_unusable_compile_cache_run_goes_on(ctx16, tmp_path):
+    """End to end (a fresh process, the cache not turned off): ``SPECJAX_CACHE`` under a regular file
+    generates, with one note and nothing from JAX on stderr."""
+    import subprocess
+
+    (tmp_path / "a_file").write_text("x")
+    env = dict(os.environ, SPECJAX_NO_PROGRESS="1", JAX_PLATFORMS="cpu", SPECJAX_CACHE=str(tmp_path / "a_file" / "jax"))
+    for k in ("SPECJAX_NO_CACHE", "SPECJAX_DEBUG"):
+        env.pop(k, None)
+    r = subprocess.run([sys.executable, "-m", "specjax.cli", "generate", "w3 w4", "--model", ctx16, "--no-chat",
+                        "--max-new-tokens", "3", "--json"], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert len(json.loads(r.stdout)["tokens"]) >= 1
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("specjax: note: the compilation cache") \
+        and "SPECJAX_CACHE" in lines[0], r.stderr
+
+
+def test_cache_write_failures_during_a_run_are_silent(tmp_path):
+    """A cache directory that breaks after it was enabled (here: replaced by a file) makes JAX warn
+    "Error writing persistent compilation cache entry"; specjax silences that (the control, after
+    the filters are reset, shows the warning is real)."""
+    import subprocess
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        import os, shutil, sys, warnings
+        import jax, jax.numpy as jnp
+        from specjax.cli.common import enable_compilation_cache
+        d = {str(tmp_path / "cache")!r}
+        assert enable_compilation_cache(d)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        jax.jit(lambda x: x + 1)(jnp.ones(3)).block_until_ready()   # the cache is set up and written
+        shutil.rmtree(d); open(d, "w").close()                       # ... then it breaks
+        jax.jit(lambda x: x * 3)(jnp.ones(4)).block_until_ready()
+        print("---control---", file=sys.stderr, flush=True)
+        warnings.resetwarnings(); warnings.simplefilter("always")
+        jax.jit(lambda x: x - 5)(jnp.ones(5)).block_until_ready()
+    """)
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr
+    before, _, after = r.stderr.partition("---control---")
+    assert before.strip() == "", before
+    assert "Error writing persistent compilation cache entry" in after, after
+
+
+def test_acceptance_rate_is_null_without_checked_drafts(ctx16, capsys):
+    """``--max-new-tokens 1`` with a drafter: the token comes from the prefill, no draft is checked,
+    and ``acceptance_rate`` is null (no data), not 0.0."""
+    from specjax.runtime.stats import RunStats
+
+    rc = cli.main(["generate", "w3 w4 w3", "--model", ctx16, "--draft", "ngram", "--max-new-tokens", "1", "--no-chat",
+                   "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    st = json.loads(out)["stats"]
+    assert st["new_tokens"] == 1 and st["checked_tokens"] == 0 and st["acceptance_rate"] is None, st
+    assert RunStats.from_row(dict(st, draft_calls=2)).acceptance_rate is None
+    assert RunStats.from_row({"draft_calls": 1, "accepted_tokens": 1, "checked_tokens": 2}).acceptance_rate == 0.5
+
+
+def test_plot_into_a_missing_directory_creates_nothing(f, capsys):
+    where = os.path.join(f["root"], "no_plot_dir2", "deeper")
+    one_line_error(capsys, cli.main(["analyze", "--alpha", "0.5", "--c", "0.1", "--plot", os.path.join(where, "p.png")]),
+                   ["--plot", "does not exist"])
+    assert not os.path.exists(os.path.join(f["root"], "no_plot_dir2"))
+
+
+def test_distill_resume_without_a_run_writes_nothing(f, no_load, capsys, tmp_path):
+    out = tmp_path / "nothing_here"
+    one_line_error(capsys, cli.main(["distill", "--out", str(out), "--prompts", f["ok_jsonl"], "--resume"]),
+                   ["no run to resume", "drop --resume"])
+    assert not out.exists()
+
+
+def test_gamma_auto_that_does_not_pay_decodes_without_speculation(ctx16, capsys, monkeypatch):
+    """``--gamma auto`` whose best γ is predicted slower than autoregressive decoding: no
+    speculation (no draft calls), and the note says so."""
+    from specjax.eval import measure
+
+    rep = {"alpha": 0.1, "alpha_source": {"cached": False}, "c": [0.9, 0.9], "v": [1.1, 1.2],
+           "costs_source": {"cached": True, "created": "2026-01-01"}, "predicted_speedup": 0.8}
+    monkeypatch.setattr(measure, "recommend", lambda *a, **k: (2, rep))
+    rc = cli.main(["generate", "w3 w4 w3 w4", "--model", ctx16, "--draft", "ngram", "--gamma", "auto",
+                   "--max-new-tokens", "4", "--no-chat", "--json", "--ignore-eos"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    notes = [ln for ln in err.splitlines() if ln.startswith("specjax: ")]
+    assert len(notes) == 1 and "--gamma auto chose no speculation (autoregressive decoding)" in notes[0], err
+    assert "not predicted to pay" in notes[0] and "best γ = 2" in notes[0] and "0.80×" in notes[0]
+    st = json.loads(out)["stats"]
+    assert st["draft_calls"] == 0 and st["acceptance_rate"] is None and st["new_tokens"] == 4, st

@@ -286,7 +286,7 @@ def simulate(ref, bad, nv, gamma, max_new, eos):
             break
     s.update(new_tokens=len(out), accept_hist=hist,
              mean_accepted_tokens=len(out) / s["target_calls"],
-             acceptance_rate=s["accepted_tokens"] / s["checked_tokens"] if s["checked_tokens"] else 0.0,
+             acceptance_rate=s["accepted_tokens"] / s["checked_tokens"] if s["checked_tokens"] else None,
              finish_reason="eos" if out[-1] in eos else "length")
     return out, s
 
@@ -381,7 +381,7 @@ def test_ngram_without_repeats_is_plain_decoding(tiny):
     assert res.tokens[0] == ref[:m]
     assert st["target_calls"] == st["new_tokens"] == st["draft_calls"] == m
     assert st["drafted_tokens"] == st["accepted_tokens"] == st["checked_tokens"] == 0
-    assert st["acceptance_rate"] == 0.0 and st["mean_accepted_tokens"] == 1.0
+    assert st["acceptance_rate"] is None and st["mean_accepted_tokens"] == 1.0  # nothing checked: no data
     assert st["accept_hist"] == [m, 0, 0, 0, 0]
     # and with a repeat the same program drafts and accepts (the counters move)
     res = dec.generate([tiny["pool"][2]], max_new_tokens=N_REF, eos_ids=[])

@@ -55,6 +55,9 @@ def main(argv=None) -> int:
         if not os.environ.get("SPECJAX_NO_CACHE"):
             enable_compilation_cache()
         return args.func(args) or 0
+    except BrokenPipeError:  # the reader of stdout went away (`specjax generate … | head`): stop quietly
+        _silence_stdout()
+        return 141  # 128 + SIGPIPE, as a Unix tool killed by it
     except _user_errors() as e:
         if os.environ.get("SPECJAX_DEBUG"):
             raise
@@ -64,6 +67,17 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("specjax: interrupted", file=sys.stderr)
         return 130
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so that the interpreter's final flush of text still buffered
+    for a closed pipe raises nothing (Python docs, "Note on SIGPIPE")."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (AttributeError, OSError, ValueError):  # a stdout without a file descriptor (tests)
+        pass
 
 
 if __name__ == "__main__":

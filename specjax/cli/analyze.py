@@ -302,9 +302,15 @@ def _jsonable(x):
 
 def cmd_analyze(args) -> int:
     numbers = args.alpha is not None or args.c is not None or args.v is not None
-    if args.plot:  # fail now, not after the measurements
+    if args.plot:  # fail now, not after the measurements; never create directories for it
+        import os
+
         from specjax.eval.bench import check_writable
 
+        where = os.path.dirname(os.path.abspath(args.plot))
+        if not os.path.exists(where):
+            raise _usage(f"--plot {args.plot}: the directory {where} does not exist; create it first "
+                         f"(mkdir -p {where}) or write the plot into an existing directory")
         check_writable(args.plot, "--plot")
     if numbers:
         model_flags = [f for f in ("model", "draft", "prompts", "prompt", "config") if getattr(args, f, None)]
@@ -351,8 +357,11 @@ def run_models(args) -> dict:
                          f"{_tree_key(wide[0])} (topk {wide[0].topk}) needs --draft default, ngram or an EAGLE "
                          "drafter directory (or topk 1)")
     gmax = MODEL_GAMMA_MAX if args.gamma_max is None else args.gamma_max
-    if gmax < 1:
-        raise _usage(f"--gamma-max must be >= 1, got {gmax}")
+    from specjax.core.drafting import MAX_GAMMA
+
+    if not 1 <= gmax <= MAX_GAMMA:
+        raise _usage(f"--gamma-max must be in [1, {MAX_GAMMA}] (draft tokens per round) when measuring models, got "
+                     f"{gmax}; use --gamma-max {MAX_GAMMA} or less")
     if args.repeats < 1 or args.timing_repeats < 1:
         raise _usage("--repeats and --timing-repeats must be >= 1")
     gamma = None

@@ -74,15 +74,52 @@ def _user_errors() -> tuple:
     return tuple(types)
 
 
-def enable_compilation_cache(path: str | None = None) -> None:
-    """Persistent JAX compilation cache (``$SPECJAX_CACHE`` or ``~/.cache/specjax/jax``)."""
+class _CacheLogFilter:
+    """Drops the compiler's log records about the persistent cache (see :func:`enable_compilation_cache`)."""
+
+    def filter(self, record) -> bool:
+        return "cache" not in record.getMessage().lower()
+
+
+_CACHE_LOG_FILTER = _CacheLogFilter()
+
+
+def enable_compilation_cache(path: str | None = None) -> bool:
+    """Persistent JAX compilation cache (``$SPECJAX_CACHE`` or ``~/.cache/specjax/jax``), when
+    that directory can be created and written; otherwise one ``specjax: note:`` line and the
+    run goes on without it. JAX's own warnings about cache entries it cannot read or write
+    (a cache that breaks during the run) are silenced: the cache only saves compile time.
+    Returns whether the cache is on."""
+    import logging
+    import warnings
+
     import jax
 
-    path = path or os.environ.get("SPECJAX_CACHE") or os.path.expanduser("~/.cache/specjax/jax")
-    os.makedirs(path, exist_ok=True)
+    given = path or os.environ.get("SPECJAX_CACHE")
+    path = given or os.path.expanduser("~/.cache/specjax/jax")
+    probe = os.path.join(path, f".specjax-write-check-{os.getpid()}")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        var = "SPECJAX_CACHE" if given else "SPECJAX_CACHE (default ~/.cache/specjax/jax)"
+        note(f"the compilation cache {path} cannot be written ({e.strerror or type(e).__name__}); running without "
+             f"it (compiles are not kept for the next run): point {var} at a writable directory, "
+             "or set SPECJAX_NO_CACHE=1")
+        return False
+    warnings.filterwarnings("ignore", message=r"(Error (reading|writing) persistent compilation cache entry"
+                                              r"|Cache value for key)")
+    for name in ("jax._src.compilation_cache", "jax._src.lru_cache"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    compiler_log = logging.getLogger("jax._src.compiler")  # "unable to generate cache key, skipping the cache"
+    if _CACHE_LOG_FILTER not in compiler_log.filters:
+        compiler_log.addFilter(_CACHE_LOG_FILTER)
     jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # small programs too (measured: the int8 drafter load 2.6 -> 0.9 s warm)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return True
 
 
 DTYPES = ("float32", "bfloat16", "int8")
@@ -269,6 +306,7 @@ def _check_settings(args, s: dict) -> None:
     drafts = s["draft"] if isinstance(s["draft"], (list, tuple)) else [s["draft"]]
     for d in drafts:
         check_draft_spec(d)
+    capped = None if all(d in (None, "none") for d in drafts) else _cap_gamma(s)
     gammas = s["gamma"] if isinstance(s["gamma"], (list, tuple)) else [s["gamma"]]
     for g in gammas:
         parse_gamma(g)
@@ -281,9 +319,18 @@ def _check_settings(args, s: dict) -> None:
         from specjax.runtime import sharding
 
         sharding.MeshSpec.parse(args.mesh)
+    if capped:
+        note(capped)
 
 
 def parse_gamma(value, default=4) -> int | str:
+    """``--gamma``: an integer in [1, ``MAX_GAMMA``] or ``"auto"`` (``default`` when ``None``).
+
+    Raises:
+      UsageError: not an integer, below 1, or above ``MAX_GAMMA`` (64).
+    """
+    from specjax.core.drafting import MAX_GAMMA
+
     if value is None:
         return default
     if value == "auto":
@@ -294,7 +341,30 @@ def parse_gamma(value, default=4) -> int | str:
         raise UsageError(f"--gamma must be an integer >= 1 or 'auto', got {value!r}") from None
     if g < 1:
         raise UsageError(f"--gamma must be an integer >= 1 (draft tokens per round), got {g}")
+    if g > MAX_GAMMA:
+        raise UsageError(f"--gamma {g} is above the limit of {MAX_GAMMA} draft tokens per round; use --gamma "
+                         f"{MAX_GAMMA} or less (or --gamma auto, or a draft tree: --tree-nodes/--tree-depth/--tree-topk)")
     return g
+
+
+def _cap_gamma(s: dict) -> str | None:
+    """A single set γ above ``max_new_tokens`` is lowered to it (a round never drafts more than the
+    tokens still to generate), before :func:`parse_gamma` checks the bound. Returns the note to
+    print once every setting is checked, or ``None``."""
+    g = s["gamma"]
+    if isinstance(g, (list, tuple)) or g in (None, "auto"):
+        return None
+    try:
+        g = int(g)
+    except (TypeError, ValueError):
+        return None  # parse_gamma says what is wrong
+    from specjax.core.drafting import MAX_GAMMA
+
+    if g > s["max_new_tokens"] >= 1 and s["max_new_tokens"] <= MAX_GAMMA:  # else parse_gamma refuses g
+        s["gamma"] = s["max_new_tokens"]
+        return (f"--gamma {g} is more than --max-new-tokens {s['max_new_tokens']}: speculating with γ = "
+                f"{s['max_new_tokens']} (a round never drafts more than the tokens still to generate)")
+    return None
 
 
 def collect_prompts(args) -> list[dict]:
@@ -347,44 +417,141 @@ def resolve_auto_dtype(s: dict, progress=None, tokens: int = 1, mesh=None, predi
 
 
 def auto_dtype_line(fmt: str, info: dict) -> str:
-    """``--dtype auto``'s one line: the chosen format, the step time of each, measured or cached."""
+    """``--dtype auto``'s one line: the chosen format, why (predicted, the only faithful one, or
+    the fastest faithful step, measured or cached), and the formats dropped by the fidelity bar."""
+    from specjax.eval.fidelity import describe
+
     src = info["source"]
+    fid = info.get("fidelity") or {}
+    dropped = "; ".join(describe(f, fid[f]) for f in info.get("unfaithful", []) if fid.get(f))
+    dropped = f"; not faithful to this model: {dropped}" if dropped else ""
     if src.get("predicted"):
-        return (f"--dtype auto chose {fmt} ({src['predicted']}; `specjax bench --dtype auto` measures this "
-                "host and later runs use the measurement)")
+        return (f"--dtype auto chose {fmt} ({src['predicted']}; `specjax bench --dtype auto` measures the "
+                f"formats' fidelity and speed on this host and later runs use the measurement){dropped}")
+    if src.get("only_faithful"):
+        return f"--dtype auto chose {fmt}: the only candidate format faithful to this model{dropped}"
     ms = ", ".join(f"{f} {t:.1f} ms" for f, t in info["step_ms"].items())
     if src["cached"]:
         how = f"cached, measured {src['created']}"
     else:
         how = "measured now" + ("; cached for the next run" if src.get("path") else "")
-    return (f"--dtype auto chose {fmt}: the fastest target step on this host ({ms} per "
-            f"{info['tokens']}-token call; {how})")
+    return (f"--dtype auto chose {fmt}: the fastest faithful target step on this host ({ms} per "
+            f"{info['tokens']}-token call; {how}){dropped}")
 
 
-def load_target_and_drafter(s: dict, draft_spec=None, mesh=None, target=None):
+def note_unfaithful_format(s: dict) -> None:
+    """One ``specjax: note:`` when the target's format, chosen by hand, is known to miss the
+    fidelity bar for this model (measured on this host and cached, or shipped for the default
+    model: :func:`specjax.eval.fidelity.known`); silent when faithful or not measured."""
+    from specjax.eval import fidelity, hostcache
+
+    fmt = s.get("dtype")
+    if fmt in (None, "auto") or fmt in fidelity.FAITHFUL_BY_CONSTRUCTION:
+        return
+    fid = fidelity.known(s.get("model"), fmt, hostcache.default_cache())
+    if fid is not None and not fid["faithful"]:
+        note(f"--dtype {fmt} is not faithful to this model ({fidelity.describe(fmt, fid)}; the bar: mean KL ≤ "
+             f"{fidelity.MAX_KL:g}, top-1 ≥ {fidelity.MIN_TOP1:.0%}): outputs differ from the model's; "
+             "--dtype float32 (or auto) runs the model itself")
+
+
+def load_target_and_drafter(s: dict, draft_spec=None, mesh=None, target=None, cap_note: bool = True):
     """Load the target (unless ``target`` is given, already loaded in ``s["dtype"]``) and
     (optionally) one drafter from resolved settings (``dtype`` ``auto`` is resolved first:
-    :func:`resolve_auto_dtype`)."""
+    :func:`resolve_auto_dtype`). ``cap_note``: say when ``--max-new-tokens`` exceeds the context
+    (:func:`note_context_cap`; ``generate`` says it per prompt instead: :func:`note_prompt_caps`)."""
     from specjax.api import load_drafter
     from specjax.io.loading import load_model
 
     if s.get("dtype") == "auto":
         target = resolve_auto_dtype(s, mesh=mesh)
+    else:
+        note_unfaithful_format(s)
     if target is None:
         target = load_model(s["model"], dtype=s["dtype"], mesh=mesh)
     spec = s["draft"] if draft_spec is None else draft_spec
     drafter = load_drafter(spec, target, dtype=s["draft_dtype"])
-    if s.get("max_new_tokens_given", True):
+    if cap_note and s.get("max_new_tokens_given", True):
         note_context_cap(s["max_new_tokens"], target, drafter)
     return target, drafter
 
 
-def note_context_cap(max_new_tokens: int, target, drafter=None) -> None:
-    """A ``specjax: note:`` when ``--max-new-tokens`` exceeds the context (it is capped there)."""
+def context_limit(target, drafter=None) -> int:
+    """The tokens a row may hold: the target's context, or the drafter's when it is shorter
+    (as :meth:`specjax.runtime.decoder.Decoder.context_limit`)."""
     lim = target.config.max_position_embeddings
     dcfg = getattr(drafter, "config", None)
-    lim = min(lim, getattr(dcfg, "max_position_embeddings", lim) or lim)
+    return min(lim, getattr(dcfg, "max_position_embeddings", lim) or lim)
+
+
+def _context_words(target, lim: int) -> str:
+    both = " and its drafter" if lim < target.config.max_position_embeddings else ""
+    return f"the context of {target.name}{both} holds {lim} tokens"
+
+
+def note_context_cap(max_new_tokens: int, target, drafter=None) -> None:
+    """A ``specjax: note:`` when ``--max-new-tokens`` exceeds the context (it is capped there)."""
+    lim = context_limit(target, drafter)
     if max_new_tokens > lim:
         note(f"--max-new-tokens {max_new_tokens} is capped to {lim} − the prompt length: the context of "
              f"{target.name}{' and its drafter' if lim < target.config.max_position_embeddings else ''} "
              f"holds {lim} tokens")
+
+
+def note_prompt_caps(max_new_tokens: int, prompt_lengths, target, drafter=None) -> None:
+    """One ``specjax: note:`` when prompt length + ``--max-new-tokens`` exceeds the context for
+    some prompts (the decoder then generates only up to the context: context − prompt length new
+    tokens), naming each such prompt's length and its number of new tokens (the first three).
+    Nothing when a prompt does not fit at all (the decoder refuses it in one line)."""
+    lim = context_limit(target, drafter)
+    lens = [int(n) for n in prompt_lengths]
+    if not lens or max(lens) >= lim:
+        return
+    capped = [(i, n, lim - n) for i, n in enumerate(lens) if n + max_new_tokens > lim]
+    if not capped:
+        return
+    if len(lens) == 1:
+        (_, n, m), = capped
+        note(f"--max-new-tokens {max_new_tokens} is capped to {m}: the prompt has {n} tokens and "
+             f"{_context_words(target, lim)}")
+        return
+    each = ", ".join(f"prompt {i} ({n} tokens) to {m}" for i, n, m in capped[:3])
+    more = f" and {len(capped) - 3} more" if len(capped) > 3 else ""
+    note(f"--max-new-tokens {max_new_tokens} is capped for {len(capped)} of {len(lens)} prompts to the context "
+         f"minus the prompt: {each}{more} ({_context_words(target, lim)})")
+
+
+def peek_vocab_size(model) -> int | None:
+    """The target's vocabulary size without loading it (a ``.gguf`` file's metadata or a model
+    directory's ``config.json``; milliseconds), or ``None`` when that is not cheap (a hub id)
+    or the file does not say (the loader then reports the problem)."""
+    from specjax.io.files import gguf_vocab_size
+    from specjax.io.loading import DEFAULT_MODEL, default_model_path
+
+    path = default_model_path() if model in (None, DEFAULT_MODEL) else os.path.expanduser(str(model))
+    if path.endswith(".gguf") and os.path.isfile(path):
+        return gguf_vocab_size(path)
+    cfg = os.path.join(path, "config.json")
+    if os.path.isfile(cfg):
+        try:
+            with open(cfg, encoding="utf-8") as f:
+                v = json.load(f).get("vocab_size")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+    return None
+
+
+def check_logprobs(n, vocab_size: int | None, where: str = "") -> None:
+    """``--logprobs N``: an integer in [0, vocabulary size] (``vocab_size`` ``None``: unknown yet).
+
+    Raises:
+      UsageError: naming the flag, the bound and the fix.
+    """
+    if n is None:
+        return
+    if n < 0:
+        raise UsageError(f"--logprobs must be an integer >= 0 (top alternatives per token), got {n}")
+    if vocab_size is not None and n > vocab_size:
+        raise UsageError(f"--logprobs {n} is more than the {vocab_size} tokens of the model's vocabulary{where}; "
+                         f"use --logprobs {vocab_size} or less (e.g. --logprobs 5)")

@@ -19,6 +19,15 @@ from jaxtyping import Array, Float, Int
 
 from specjax.core.sampling import SamplingParams
 
+# Upper bounds of the static decode shapes, checked before anything loads (the CLI, ``Decoder``,
+# ``NgramDrafter``, :class:`TreeShape`): every round's programs, buffers and tree masks grow with
+# them, and they leave room for accelerators (a target call verifies at most 513 tokens).
+MAX_GAMMA = 64  # γ, draft tokens per round of a chain (--gamma)
+MAX_NGRAM = 16  # N of the n-gram drafter (--draft ngram:N)
+MAX_TREE_NODES = 512  # N, nodes per draft tree (--tree-nodes)
+MAX_TREE_DEPTH = 64  # D, the deepest tree node (--tree-depth; a tree's γ)
+MAX_TREE_TOPK = 32  # K, children per tree node (--tree-topk)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +86,8 @@ class TreeShape:
 
     ``1 <= D <= N <= K + (D − 1)·K²`` (the last bound: the candidates of EAGLE-2's dynamic tree
     expanding K nodes per level, :func:`specjax.core.tree.build_dynamic_tree`). K = 1 forces
-    N = D: a chain of γ = D drafts.
+    N = D: a chain of γ = D drafts. And N ≤ ``MAX_TREE_NODES`` (512), D ≤ ``MAX_TREE_DEPTH`` (64),
+    K ≤ ``MAX_TREE_TOPK`` (32).
 
     Raises ValueError (on construction) for sizes outside these ranges.
     """
@@ -97,6 +107,11 @@ class TreeShape:
                 raise ValueError(f"tree {name} must be an integer >= 1, got {v!r} (e.g. --tree-nodes 8 "
                                  "--tree-depth 4 --tree-topk 2)")
             object.__setattr__(self, name, int(iv))
+        for name, limit in (("nodes", MAX_TREE_NODES), ("depth", MAX_TREE_DEPTH), ("topk", MAX_TREE_TOPK)):
+            v = getattr(self, name)
+            if v > limit:
+                raise ValueError(f"tree {name} must be <= {limit} (the largest tree a round verifies), got {v}; "
+                                 f"lower --tree-{name} to at most {limit}")
         n, d, k = self.nodes, self.depth, self.topk
         if d > n:
             raise ValueError(f"tree depth ({d}) must be <= tree nodes ({n}): a path of depth D holds D nodes; "

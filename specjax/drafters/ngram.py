@@ -18,13 +18,14 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from specjax.core.drafting import DraftContext, Proposal, TreeProposal, TreeShape
+from specjax.core.drafting import MAX_NGRAM, DraftContext, Proposal, TreeProposal, TreeShape
 from specjax.core.tree import DraftTree
 
 
 @dataclasses.dataclass(frozen=True)
 class NgramDrafter:
-    """Prompt-lookup drafter. ``max_ngram``: longest n-gram tried (≥ 1); ``min_ngram``: shortest."""
+    """Prompt-lookup drafter. ``max_ngram``: longest n-gram tried (1 ≤ N ≤ ``MAX_NGRAM``, 16);
+    ``min_ngram``: shortest."""
 
     max_ngram: int = 3
     min_ngram: int = 1
@@ -36,6 +37,8 @@ class NgramDrafter:
             raise ValueError(
                 f"ngram sizes must satisfy 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}"
             )
+        if self.max_ngram > MAX_NGRAM:
+            raise ValueError(f"max_ngram must be <= {MAX_NGRAM}, got {self.max_ngram}; use ngram:{MAX_NGRAM} or less")
 
     @property
     def name(self) -> str:

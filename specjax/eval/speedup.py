@@ -105,7 +105,7 @@ def measure_speedup(
     Returns:
       dict: ``gamma``, ``spec`` and ``ar`` summaries (``new_tokens``, ``target_calls``,
       ``decode_s`` (seconds), ``tokens_per_s``, ``mean_accepted_tokens`` = new tokens ÷ target
-      calls, pooled; ``acceptance_rate`` = accepted ÷ checked, pooled (``None`` for AR);
+      calls, pooled; ``acceptance_rate`` = accepted ÷ checked, pooled (``None`` for AR or nothing checked);
       ``accept_hist``; ``by_category``; ``per_prompt``), ``speedup`` (spec ÷ AR tokens/s, NaN
       without AR), ``tokens`` (speculative new tokens per prompt), ``ar_tokens``.
     """

@@ -4,8 +4,8 @@ prompts or categories with ``+`` (a merge), and the derived figures defined once
 Definitions (Leviathan et al. 2023 §3; Spec-Bench, Xia et al. 2024):
 
 * ``mean_accepted_tokens`` τ = new tokens ÷ target calls (the bonus/residual token included);
-* ``acceptance_rate`` = accepted ÷ checked draft tokens (``None`` when nothing was drafted:
-  autoregressive decoding has no acceptance rate);
+* ``acceptance_rate`` = accepted ÷ checked draft tokens (``None`` when no draft token was
+  checked: autoregressive decoding has no acceptance rate, nor has a run with nothing drafted);
 * ``tokens_per_s`` = new tokens ÷ decode seconds (prefill and compile excluded).
 
 Per-row counters come from :func:`specjax.runtime.decoder.row_stats` (they count only
@@ -80,10 +80,10 @@ class RunStats:
 
     @property
     def acceptance_rate(self) -> float | None:
-        """Accepted ÷ checked draft tokens; 0.0 when drafts were never checked, ``None`` without a drafter."""
-        if not self.drafting:
+        """Accepted ÷ checked draft tokens; ``None`` without a drafter or when no draft was checked (no data)."""
+        if not self.drafting or not self.checked_tokens:
             return None
-        return self.accepted_tokens / self.checked_tokens if self.checked_tokens else 0.0
+        return self.accepted_tokens / self.checked_tokens
 
     @property
     def acceptance_by_position(self) -> list[float] | None:

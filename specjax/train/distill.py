@@ -96,8 +96,8 @@ def run(args) -> dict:
     "step": steps done}``.
 
     Raises:
-      DistillError: a bad option, ``--out`` a file, not empty without ``--resume``, not a
-        distill run, or not writable; a split that is not disjoint; ``--export-only``
+      DistillError: a bad option, ``--out`` a file, not empty without ``--resume``, missing or
+        empty with ``--resume`` (no run to resume), not a distill run, or not writable; a split that is not disjoint; ``--export-only``
         without a checkpoint.
       ValueError: unreadable prompts (naming the file and line).
     """
@@ -136,6 +136,10 @@ def _open_run(args) -> tuple[str, argparse.Namespace]:
     if os.path.exists(out) and not os.path.isdir(out):
         raise DistillError(f"--out {out} is a file; give a directory for the run")
     resuming = os.path.exists(out) and bool(os.listdir(out)) and not not_started(out)
+    if args.resume and not resuming and not not_started(out):  # nothing there: refuse before any check or write
+        where = "it does not exist" if not os.path.exists(out) else "it is empty"
+        raise DistillError(f"--resume: no run to resume in {out} ({where}); drop --resume to start a new run there, "
+                           "or give the --out of the run to continue")
     if resuming:
         if not args.resume:
             raise DistillError(f"{out} exists and is not empty; pass --resume to continue that run, "
@@ -152,8 +156,6 @@ def _open_run(args) -> tuple[str, argparse.Namespace]:
         return out, s
     if not_started(out):
         log(f"{out} holds only the run.json of a run that never started; starting it anew")
-    elif args.resume:
-        log(f"--resume: {out} is empty, starting a new run")
     check_out_dir(out)
     os.makedirs(out, exist_ok=True)
     with open(run_file + ".tmp", "w") as f:
