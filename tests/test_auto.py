@@ -282,6 +282,21 @@ def test_greedy_continuation_is_the_decoders(fmt):
 
 
 # --------------------------------------------------------------------------- --dtype auto
+def fake_fidelity(monkeypatch, faithful: dict):
+    """:func:`specjax.eval.fidelity.measure` returning ``faithful[format]`` (nothing runs); counts calls."""
+    from specjax.eval import fidelity
+
+    calls = []
+
+    def fake(source, fmt, **kw):
+        calls.append(fmt)
+        return {"mean_kl": 1e-4 if faithful[fmt] else 0.05, "top1_agreement": 1.0 if faithful[fmt] else 0.86,
+                "faithful": faithful[fmt], "source": {"cached": False}}
+
+    monkeypatch.setattr(fidelity, "measure", fake)
+    return calls
+
+
 def fake_steps(monkeypatch, ms: dict):
     """:func:`measure._median_ms` returning ``ms[format]`` for each step (nothing runs); counts calls."""
     calls = []
@@ -317,6 +332,7 @@ def test_convert_model_equals_loading_in_the_format(tiny_dir):
 
 
 def test_fastest_format_choice_is_cached(tmp_path, tiny_dir, monkeypatch):
+    fake_fidelity(monkeypatch, {"bfloat16": True, "int8": True})
     calls = fake_steps(monkeypatch, {"float32": 30.0, "bfloat16": 20.0, "int8": 25.0})
     cache = HostCache(str(tmp_path / "cache"))
     fmt, info, model = measure.fastest_format(tiny_dir, cache=cache)
@@ -345,8 +361,10 @@ def test_fastest_format_choice_is_cached(tmp_path, tiny_dir, monkeypatch):
         measure.fastest_format(m, tokens=0)
 
 
-def test_fastest_format_times_the_decoders_step(tiny_dir):
-    """Unfaked: every format's one-token step is timed (positive medians) and the smallest wins."""
+def test_fastest_format_times_the_decoders_step(tiny_dir, monkeypatch):
+    """Unfaked timing: every faithful format's one-token step is timed (positive medians) and the
+    smallest wins."""
+    fake_fidelity(monkeypatch, {"bfloat16": True, "int8": True})
     fmt, info, model = measure.fastest_format(tiny_dir, repeats=2, warmup=1)
     assert set(info["step_ms"]) == {"float32", "bfloat16", "int8"} and all(v > 0 for v in info["step_ms"].values())
     assert fmt == min(info["step_ms"], key=info["step_ms"].get) and model.dtype == fmt
@@ -492,33 +510,89 @@ def test_alpha_continuation_stays_inside_the_context():
     assert rep["positions"] <= 3
 
 
-def test_dtype_auto_predicts_for_the_default_model_on_a_measured_host_kind(tmp_path, monkeypatch):
-    """``predict=True`` (generate): the default model on an x86 CPU with AVX2 takes int8 without a
-    measurement; other hosts and other models measure; a cached measurement wins over the rule."""
-    from specjax.eval import hostcache
-
+def test_dtype_auto_predicts_float32_for_the_default_model_on_a_cpu(tmp_path, monkeypatch):
+    """``predict=True`` (generate): the default model on a CPU runs float32 (faithful by
+    construction) without measuring, until this host has cached the fidelity of every candidate
+    and the speed of the faithful ones; then the cached measurement wins; other models measure."""
     x86 = {"backend": "cpu", "machine": "x86_64", "cpu_flags": ["avx", "avx2"]}
-    assert measure.predicted_format(["float32", "bfloat16", "int8"], "default", x86)[0] == "int8"
-    assert measure.predicted_format(["float32", "bfloat16", "int8"], None, dict(x86, cpu_flags=["avx"])) is None
+    assert measure.predicted_format(["float32", "bfloat16", "int8"], "default", x86)[0] == "float32"
+    assert measure.predicted_format(["float32", "bfloat16", "int8"], None, dict(x86, machine="aarch64"))[0] == "float32"
     assert measure.predicted_format(["float32", "bfloat16", "int8"], None, dict(x86, backend="gpu")) is None
-    assert measure.predicted_format(["float32", "bfloat16", "int8"], None, dict(x86, machine="aarch64")) is None
     assert measure.predicted_format(["float32", "int8"], "some/other-model", x86) is None
-    assert measure.predicted_format(["float32", "bfloat16"], None, x86) is None
 
     monkeypatch.setattr(hostcache, "host_fingerprint", lambda: dict(x86))
-    calls = fake_steps(monkeypatch, {"float32": 10.0, "bfloat16": 20.0, "int8": 30.0})
-    monkeypatch.setattr(measure, "_cached_or_measured", lambda *a, **k: ({"step_ms": {"float32": 10.0,
-                        "bfloat16": 20.0, "int8": 30.0}}, {"cached": True, "created": "then", "seconds": 1.0,
-                                                          "path": "p"}))
+    fid = fake_fidelity(monkeypatch, {"bfloat16": True, "int8": False})
+    calls = fake_steps(monkeypatch, {"float32": 30.0, "bfloat16": 20.0, "int8": 10.0})
     cache = HostCache(str(tmp_path / "cache"))
     fmt, info, model = measure.fastest_format("default", cache=cache, predict=True)
-    assert (fmt, model, info["step_ms"]) == ("int8", None, {}) and "predicted" in info["source"]["predicted"]
-    assert not calls
+    assert (fmt, model, info["step_ms"]) == ("float32", None, {})
+    assert "faithful by construction" in info["source"]["predicted"]
+    assert not calls and not fid
     from specjax.cli.common import auto_dtype_line
 
-    assert "--dtype auto chose int8 (predicted" in auto_dtype_line(fmt, info)
-    # a measurement in the cache wins over the rule
-    monkeypatch.setattr(HostCache, "get", lambda self, kind, p: {"value": {}, "created": "then", "seconds": 1.0,
-                                                                 "path": "p"})
+    assert "--dtype auto chose float32 (predicted" in auto_dtype_line(fmt, info)
+    # measurements in the cache (fidelity of both candidates, speed of the faithful ones) win over the rule
+    stored = {"bfloat16": {"mean_kl": 1e-4, "top1_agreement": 1.0, "faithful": True},
+              "int8": {"mean_kl": 0.05, "top1_agreement": 0.86, "faithful": False}}
+
+    def get(self, kind, p):
+        value = stored[p["format"]] if kind == "fidelity" else {"step_ms": {"float32": 30.0, "bfloat16": 20.0}}
+        return {"value": value, "created": "then", "seconds": 1.0, "path": "p"}
+
+    monkeypatch.setattr(HostCache, "get", get)
     fmt, info, _ = measure.fastest_format("default", cache=cache, predict=True)
-    assert fmt == "float32" and info["source"]["cached"] and "predicted" not in info["source"]
+    assert fmt == "bfloat16" and info["source"]["cached"] and "predicted" not in info["source"]
+    assert info["unfaithful"] == ["int8"] and not calls and not fid
+    line = auto_dtype_line(fmt, info)
+    assert "fastest faithful" in line and "not faithful to this model: int8: mean KL 0.05" in line
+
+
+def test_dtype_auto_never_chooses_an_unfaithful_format(tmp_path, tiny_dir, monkeypatch):
+    """int8 has the fastest step but misses the fidelity bar: auto takes the fastest faithful
+    format; with float32 the only faithful one, nothing is timed."""
+    fid = fake_fidelity(monkeypatch, {"bfloat16": True, "int8": False})
+    calls = fake_steps(monkeypatch, {"float32": 30.0, "bfloat16": 20.0, "int8": 10.0})
+    cache = HostCache(str(tmp_path / "cache"))
+    fmt, info, model = measure.fastest_format(tiny_dir, cache=cache)
+    assert (fmt, model.dtype, info["unfaithful"]) == ("bfloat16", "bfloat16", ["int8"])
+    assert calls == [[("step", "bfloat16"), ("step", "float32")]] and sorted(fid) == ["bfloat16", "int8"]
+    fake_fidelity(monkeypatch, {"bfloat16": False, "int8": False})
+    fmt, info, model = measure.fastest_format(tiny_dir, cache=HostCache(str(tmp_path / "other")))
+    assert (fmt, model.dtype, info["step_ms"], len(calls)) == ("float32", "float32", {}, 1)
+    assert info["source"]["only_faithful"] and info["unfaithful"] == ["bfloat16", "int8"]
+
+
+def test_fidelity_measured_once_then_cached(tmp_path, monkeypatch):
+    """The fidelity of a format is measured on the built-in prompts once per model and host,
+    then read from the cache; float32 is faithful without a measurement; the verdict follows the
+    bar (KL, and top-1 or only near-ties)."""
+    from specjax.eval import fidelity
+
+    assert fidelity.verdict(5e-4, 0.99, False) and fidelity.verdict(5e-4, 0.9, True)
+    assert not fidelity.verdict(2e-3, 1.0, True) and not fidelity.verdict(5e-4, 0.97, False)
+    assert len(fidelity.fidelity_prompts()) >= 8
+    ran = []
+    monkeypatch.setattr(fidelity, "compare", lambda ref, other, ids: ran.append(other.dtype) or
+                        {"mean_kl": 0.04, "top1_agreement": 0.9, "faithful": False})
+    target = tiny_model(seed=3, num_layers=1)
+    monkeypatch.setattr("specjax.api.encode_prompts", lambda m, texts, chat: [[1, 2, 3]] * len(texts))
+    cache = HostCache(str(tmp_path / "cache"))
+    assert fidelity.measure(target, "float32", cache=cache)["by_construction"] and not ran
+    a = fidelity.measure(target, "int8", cache=cache)
+    b = fidelity.measure(target, "int8", cache=cache)
+    assert ran == ["int8"] and not a["source"]["cached"] and b["source"]["cached"] and not b["faithful"]
+    assert fidelity.known(target, "int8", cache)["mean_kl"] == 0.04
+    assert fidelity.known(target, "bfloat16", cache) is None  # not measured, not the default model
+    assert fidelity.known(None, "int8", None)["faithful"] is False  # shipped for the default model
+
+
+def test_fidelity_compare_on_a_tiny_model():
+    """:func:`fidelity.compare` unfaked: a model against itself is faithful with KL 0; int8 of a
+    random tiny model gives a finite KL and an agreement in [0, 1]."""
+    from specjax.eval import fidelity
+
+    f32 = tiny_model(seed=4, num_layers=1)
+    same = fidelity.compare(f32, f32, [[5, 9, 17], [3, 4, 5, 6, 7]], max_new_tokens=6)
+    assert same["mean_kl"] == 0.0 and same["top1_agreement"] == 1.0 and same["faithful"] and same["positions"] == 12
+    q = fidelity.compare(f32, convert_model(f32, "int8"), [[5, 9, 17], [3, 4, 5, 6, 7]], max_new_tokens=6)
+    assert np.isfinite(q["mean_kl"]) and q["mean_kl"] >= 0 and 0 <= q["top1_agreement"] <= 1

@@ -68,7 +68,8 @@ def test_bench_json_and_out(tiny_dir, tmp_path, capsys, monkeypatch):
     assert rc == 0, err
     res = json.loads(out)
     assert json.loads(out_file.read_text()) == res
-    assert set(res) == {"config", "methods", "prompts"}
+    assert set(res) == {"config", "methods", "prompts", "fidelity"}
+    assert res["fidelity"] == {"float32": {"mean_kl": 0.0, "top1_agreement": 1.0, "faithful": True}}
     cfg = res["config"]
     for key in ("model_name", "dtype", "temperature", "batch_size", "max_new_tokens", "chat", "ignore_eos",
                 "bandwidth_formula", "machine", "weight_bytes", "prompts_per_category"):

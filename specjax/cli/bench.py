@@ -105,6 +105,7 @@ def cmd_bench(args) -> int:
         dtypes=dtypes, draft_dtype=draft_dtype,
         chat=chat, warmup=args.warmup, mesh=args.mesh, progress=not args.no_progress,
     )
+    results["fidelity"] = format_fidelity(s["model"], dtypes, no_progress=args.no_progress)
     results["config"]["prompts_file"] = os.path.abspath(args.prompts) if args.prompts else None
     results["config"]["categories"] = split_categories(args.categories)
     results["config"]["limit"] = args.limit
@@ -120,3 +121,16 @@ def cmd_bench(args) -> int:
         print(f"specjax bench: warning: {mm} greedy speculative output(s) differ from autoregressive "
               "(expected only in reduced-precision formats)", file=sys.stderr)
     return 0
+
+
+def format_fidelity(model, dtypes, no_progress: bool = False) -> dict:
+    """``{format: fidelity}`` of each benchmarked weight format to float32 (measured once per
+    model and host, then cached: :func:`specjax.eval.fidelity.measure`); JSON field ``fidelity``."""
+    from specjax.eval import fidelity, hostcache
+    from specjax.runtime.progress import Progress
+
+    out = {}
+    for d in dtypes:
+        fid = fidelity.measure(model, d, cache=hostcache.default_cache(), progress=None if no_progress else Progress())
+        out[d] = {k: fid[k] for k in ("mean_kl", "top1_agreement", "faithful") if k in fid}
+    return out

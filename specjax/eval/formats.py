@@ -36,6 +36,25 @@ def teacher_forced_logits(model, ids: Sequence[int]) -> np.ndarray:
     return np.asarray(out)[0, :n]
 
 
+def teacher_forced_batch(model, seqs: Sequence[Sequence[int]], rows: int = 4) -> list[np.ndarray]:
+    """Logits float32 ``[len(seq), V]`` of one full forward over each of ``seqs``, run ``rows``
+    sequences per call, all padded to one length (a multiple of 64): one compiled program for
+    the whole list (a padded row's logits at its own positions are those of its own tokens)."""
+    cfg = model.config
+    size = -(-max(map(len, seqs)) // 64) * 64
+    out = []
+    for lo in range(0, len(seqs), rows):
+        chunk = list(seqs[lo: lo + rows])
+        toks = np.zeros((rows, size), np.int32)
+        for i, s in enumerate(chunk):
+            toks[i, : len(s)] = s
+        cache = llama.KVCache.create(cfg, rows, size, jnp.float32)
+        pos = jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32)[None], (rows, size))
+        logits = np.asarray(_apply(model.graphdef, model.params, jnp.asarray(toks), pos, cache, cfg))
+        out += [logits[i, : len(s)] for i, s in enumerate(chunk)]
+    return out
+
+
 @jax.jit
 def _kl_top1(a, b):
     la = jax.nn.log_softmax(a, -1)

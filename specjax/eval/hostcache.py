@@ -31,17 +31,10 @@ from typing import Any, Callable
 
 import numpy as np
 
+from specjax.io.convcache import cache_dir  # noqa: F401  (one rule for every specjax cache)
+
 FORMAT_VERSION = 1  # bump when a stored value's meaning changes: older files then never match
 _CPU_FLAGS = ("avx", "amx", "fma", "f16c")  # flag prefixes that change kernel speed
-
-
-def cache_dir() -> str:
-    """``$SPECJAX_CACHE_DIR``, else ``$XDG_CACHE_HOME/specjax``, else ``~/.cache/specjax``."""
-    if os.environ.get("SPECJAX_CACHE_DIR"):
-        return os.path.expanduser(os.environ["SPECJAX_CACHE_DIR"])
-    if os.environ.get("XDG_CACHE_HOME"):
-        return os.path.join(os.path.expanduser(os.environ["XDG_CACHE_HOME"]), "specjax")
-    return os.path.expanduser("~/.cache/specjax")
 
 
 def _note(msg: str) -> None:
@@ -235,3 +228,22 @@ def default_cache() -> HostCache | None:
     if os.environ.get("SPECJAX_NO_CACHE"):
         return None
     return HostCache()
+
+
+def cached_or_measured(cache, kind: str, parts: dict, measure, progress, what: str) -> tuple[dict, dict]:
+    """``(value, source)``: the cache entry ``(kind, parts)`` if there is one, else ``measure()``
+    (timed as one progress phase ``what``) stored in the cache. ``source``: ``cached`` (bool),
+    ``created`` (ISO time of the measurement), ``seconds`` (how long it took), ``path``."""
+    import time
+
+    from specjax.runtime.progress import phase
+
+    hit = cache.get(kind, parts) if cache is not None else None
+    if hit is not None:
+        return hit["value"], {"cached": True, "created": hit["created"], "seconds": hit["seconds"], "path": hit["path"]}
+    t0 = time.perf_counter()
+    with phase(progress, what):
+        value = measure()
+    seconds = time.perf_counter() - t0
+    path = cache.put(kind, parts, value, seconds) if cache is not None else None
+    return value, {"cached": False, "created": None, "seconds": seconds, "path": path}

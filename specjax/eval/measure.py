@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.eval.hostcache import cached_or_measured
 from specjax.core.drafting import DraftContext
 from specjax.core.sampling import SamplingParams
 from specjax.drafters.model import ModelDrafter, fit_vocab
@@ -894,23 +895,6 @@ def alpha_by_decoding(target, drafter, prompts: Sequence[dict], progs: dict, set
     return {**_alpha_summary(prompts, betas), "continuations": conts}
 
 
-def _cached_or_measured(cache, kind: str, parts: dict, measure, progress, what: str) -> tuple[dict, dict]:
-    """``(value, source)``: the cache entry ``(kind, parts)`` if there is one, else ``measure()``
-    (timed as one progress phase ``what``) stored in the cache. ``source``: ``cached`` (bool),
-    ``created`` (ISO time of the measurement), ``seconds`` (how long it took), ``path``."""
-    from specjax.runtime.progress import phase
-
-    hit = cache.get(kind, parts) if cache is not None else None
-    if hit is not None:
-        return hit["value"], {"cached": True, "created": hit["created"], "seconds": hit["seconds"], "path": hit["path"]}
-    t0 = time.perf_counter()
-    with phase(progress, what):
-        value = measure()
-    seconds = time.perf_counter() - t0
-    path = cache.put(kind, parts, value, seconds) if cache is not None else None
-    return value, {"cached": False, "created": None, "seconds": seconds, "path": path}
-
-
 def recommend(target, drafter, prompts, settings: DecodeSettings | None = None, *, gamma_max: int = 8,
               chat: bool = False, cache=None, progress=None, timing_repeats: int = 7,
               measure_gammas: Sequence[int] | None = None) -> tuple[int, dict]:
@@ -937,7 +921,7 @@ def recommend(target, drafter, prompts, settings: DecodeSettings | None = None, 
       ``(γ in [1, gamma_max], report)``; the report holds ``gamma``, ``alpha``, ``coverage``,
       ``positions``, ``gammas``, ``c``, ``v``, ``t_target_ms`` / ``t_draft_ms`` (``{str(T or γ): ms}``),
       ``table`` (:func:`theory_rows`), ``predicted_speedup``, ``costs_source`` / ``alpha_source``
-      (:func:`_cached_or_measured`) and ``method``.
+      (:func:`cached_or_measured`) and ``method``.
     Raises:
       ValueError: no drafter; ``gamma_max < 1``; no prompt, an empty one, or one that leaves no
         room in the context for a new token.
@@ -968,7 +952,7 @@ def recommend(target, drafter, prompts, settings: DecodeSettings | None = None, 
                 "t_draft_ms": {str(k): v for k, v in m["t_draft_ms"].items()}, "interpolated": m["interpolated"]}
 
     widths = ", ".join(str(g + 1) for g in [0, *timed])
-    costs, costs_src = _cached_or_measured(
+    costs, costs_src = cached_or_measured(
         cache, "costs", {**pair, "batch": 1, "gammas": gammas, "timed": timed, "repeats": int(timing_repeats),
                          "buffer_len": {str(g): pr.buffer_len for g, pr in progs.items()},
                          "cache_dtype": progs[0].cache_dtype}, costs_now, progress,
@@ -981,7 +965,7 @@ def recommend(target, drafter, prompts, settings: DecodeSettings | None = None, 
         return {k: a[k] for k in ("alpha", "positions", "coverage", "betas")}
 
     ids_sha = hashlib.sha256(json.dumps([r["ids"] for r in recs]).encode()).hexdigest()
-    alpha, alpha_src = _cached_or_measured(
+    alpha, alpha_src = cached_or_measured(
         cache, "alpha", {**pair, "sampling": sp_kw, "seed": int(settings.seed) if settings.temperature > 0 else None,
                          "ignore_eos": bool(settings.ignore_eos), "new_tokens": n_new, "prompts": ids_sha},
         alpha_now, progress,
@@ -1012,19 +996,17 @@ def recommend_gamma(target, drafter, prompt_texts: Sequence[str], chat: bool = F
     return recommend(target, drafter, list(prompt_texts), chat=chat, gamma_max=gamma_max, **kw)[0]
 
 
-# Hosts on which the fastest target step has been measured, and the winner (PERFORMANCE-NOTES.md,
-# BENCHMARKS.md "Issue 17"; default model, batch 1, one-token step, float32 / int8 ms):
-#   AVX2 only (no AVX-512, no VNNI):               int8 42 vs float32 47
-#   AVX-512 with VNNI and bf16 (AMD EPYC, 2 cores): int8 10.7–13.9 vs float32 15–21 (bfloat16 ≈ float32)
-# int8 won on every x86 CPU measured. Only for the default model (the one measured); nothing is
-# predicted for other models, other CPUs or GPU/TPU: those measure.
-PREDICTED_FORMATS = (("cpu", "x86_64", "avx2", "int8"),)
+# Where --dtype auto takes a format without measuring: the default model on a CPU runs float32
+# (faithful by construction) until a measurement on this host (`specjax bench --dtype auto`) has
+# found a faster format that passes the fidelity bar (specjax.eval.fidelity). int8 was predicted
+# here before the bar existed: fastest on every x86 CPU measured, but 86% top-1 agreement with
+# float32 (BENCHMARKS.md, "Weight formats: accuracy against float32").
+PREDICTED_FORMATS = (("cpu", "float32"),)
 
 
 def predicted_format(formats: Sequence[str], model=None, host: dict | None = None) -> tuple[str, str] | None:
     """``(format, reason)`` when ``model`` is the default model (``None``/``"default"``) and this
-    host's kind has a measured winner among ``formats`` (:data:`PREDICTED_FORMATS`: JAX backend,
-    machine, a required CPU flag), else ``None``.
+    host's backend has a rule in :data:`PREDICTED_FORMATS` naming one of ``formats``, else ``None``.
 
     ``host``: :func:`specjax.eval.hostcache.host_fingerprint` (computed when ``None``)."""
     from specjax.eval.hostcache import host_fingerprint
@@ -1032,24 +1014,25 @@ def predicted_format(formats: Sequence[str], model=None, host: dict | None = Non
     if model not in (None, "default"):
         return None
     host = host_fingerprint() if host is None else host
-    for backend, machine, flag, fmt in PREDICTED_FORMATS:
-        if (host.get("backend") == backend and host.get("machine") == machine and flag in host.get("cpu_flags", ())
-                and fmt in formats):
-            return fmt, f"predicted: {fmt} had the fastest step on every {machine} CPU with {flag} measured"
+    for backend, fmt in PREDICTED_FORMATS:
+        if host.get("backend") == backend and fmt in formats:
+            return fmt, (f"predicted: {fmt} is faithful by construction, and no faster format has been measured "
+                         "faithful on this host")
     return None
 
 
 def fastest_format(model, *, formats: Sequence[str] = llama.WEIGHT_FORMATS, tokens: int = 1, cache=None,
                    progress=None, repeats: int = 7, warmup: int = 2, predict: bool = False) -> tuple[str, dict, Any]:
-    """The weight format whose target decode step is fastest on this host (``--dtype auto``).
+    """The fastest *faithful* weight format for ``model`` on this host (``--dtype auto``).
 
-    Each format's step is one target call of ``tokens`` new tokens (1: an autoregressive
-    step; γ + 1: a verification) on the KV cache of the Decoder's own program for
+    First the fidelity bar (:mod:`specjax.eval.fidelity`): each candidate but float32 is
+    measured against float32 once per model and host (cached) and dropped if it misses the bar.
+    Then each remaining format's step is one target call of ``tokens`` new tokens (1: an
+    autoregressive step; γ + 1: a verification) on the KV cache of the Decoder's own program for
     ``FORMAT_SHAPE`` (32 prompt + 128 new tokens) — :func:`_target_case`, as
     :func:`measure_costs` times it — warmed up ``warmup`` times, then timed round-robin
     ``repeats`` times; the smallest median wins. The models in the other formats are made in
-    memory from one load (:func:`specjax.io.loading.convert_model`), so all of them are in
-    memory while they are timed.
+    memory from one float32 load (:func:`specjax.io.loading.convert_model`).
 
     Args:
       model: a loaded :class:`~specjax.io.loading.Model` (any format), or a checkpoint
@@ -1058,19 +1041,21 @@ def fastest_format(model, *, formats: Sequence[str] = llama.WEIGHT_FORMATS, toke
       cache: a :class:`specjax.eval.hostcache.HostCache` (keyed by host, the checkpoint's
         :func:`~specjax.io.loading.source_identity` or the model's fingerprint, formats,
         ``tokens``, shape and repeats), or ``None``.
-      predict: without a cached measurement, take :func:`predicted_format` for the default model on
-        a host kind with a measured winner (no measurement, nothing cached); measure otherwise.
+      predict: without cached measurements (fidelity of every candidate and the speed of the
+        faithful ones), take :func:`predicted_format` for the default model (no measurement,
+        nothing cached); measure otherwise.
     Returns:
       ``(format, info, model_or_None)``: info holds ``step_ms`` ``{format: ms}`` (empty when
-      predicted), ``tokens``, ``source`` (``cached``, ``created``, ``seconds``, ``path``, and
-      ``predicted``: the reason, when predicted); the model in the chosen format when it was
-      loaded for the measurement, else ``None`` (cached or predicted: load it yourself).
+      predicted), ``fidelity`` ``{format: measured fidelity or None when not known}``,
+      ``unfaithful`` (the candidates dropped by the bar), ``tokens``, ``source`` (``cached``,
+      ``created``, ``seconds``, ``path``, and ``predicted``: the reason, when predicted); the
+      model in the chosen format when it was loaded for the measurement, else ``None``.
     Raises:
       ValueError: an unknown or empty list of formats, ``tokens < 1``.
       CheckpointError: the checkpoint cannot be loaded.
     """
-    from specjax.eval.hostcache import model_fingerprint
-    from specjax.io.loading import convert_model, load_model, source_identity
+    from specjax.eval import fidelity
+    from specjax.io.loading import convert_model, load_model
 
     formats = list(dict.fromkeys(llama.weight_format(f) for f in formats))
     if not formats:
@@ -1079,31 +1064,61 @@ def fastest_format(model, *, formats: Sequence[str] = llama.WEIGHT_FORMATS, toke
         raise ValueError(f"tokens must be an integer >= 1, got {tokens!r}")
     tokens = int(tokens)
     loaded = not (model is None or isinstance(model, str))
-    ident = model_fingerprint(model) if loaded else source_identity(model)
+    ident = fidelity.identity(model)
     box = {}
-    parts = {"model": ident, "formats": formats, "tokens": tokens, "shape": list(FORMAT_SHAPE),
-             "repeats": int(repeats)}
-    if predict and (cache is None or cache.get("format", parts) is None):
-        guess = predicted_format(formats, model)
-        if guess is not None:
-            src = {"cached": False, "created": None, "seconds": 0.0, "path": None, "predicted": guess[1]}
-            return guess[0], {"step_ms": {}, "tokens": tokens, "source": src}, None
+
+    def speed_parts(fmts):
+        return {"model": ident, "formats": fmts, "tokens": tokens, "shape": list(FORMAT_SHAPE),
+                "repeats": int(repeats), "definitions": [llama.FORMAT_DEFINITION[f] for f in fmts]}
+
+    fid = {f: fidelity.lookup(model, f, cache, ident) for f in formats}
+    if predict:
+        known = all(v is not None for v in fid.values())
+        faithful = [f for f in formats if known and fid[f]["faithful"]]
+        if not known or not faithful or cache is None or cache.get("format", speed_parts(faithful)) is None:
+            guess = predicted_format(formats, model)
+            if guess is not None:
+                src = {"cached": False, "created": None, "seconds": 0.0, "path": None, "predicted": guess[1]}
+                unfaithful = [f for f in formats if fid[f] is not None and not fid[f]["faithful"]]
+                return guess[0], {"step_ms": {}, "tokens": tokens, "source": src, "fidelity": fid,
+                                  "unfaithful": unfaithful}, None
+
+    def base():
+        if "float32" not in box:
+            box["float32"] = convert_model(model, "float32") if loaded else load_model(model, dtype="float32")
+        return box["float32"]
+
+    for f in formats:
+        if fid[f] is None:
+            fid[f] = fidelity.measure(model, f, cache=cache, progress=progress, ident=ident, reference=base())
+    faithful = [f for f in formats if fid[f]["faithful"]] or ["float32"]
 
     def measure():
-        base = model if loaded else load_model(model, dtype="float32")
         plen, mnt = FORMAT_SHAPE
         sp = _sampling(1, 0.0, 0, 1.0)
         calls = {}
-        for fmt in formats:
-            m = box[fmt] = convert_model(base, fmt)
+        for fmt in faithful:
+            m = box[fmt] = convert_model(base(), fmt)
             prog = timed_programs(m, None, [tokens - 1], plen, mnt)[tokens - 1]
             calls[("step", fmt)] = _target_case(m, prog, 1, tokens, plen + mnt // 2, sp)
         med = _median_ms(calls, warmup, repeats)
-        return {"step_ms": {fmt: med[("step", fmt)] for fmt in formats}}
+        return {"step_ms": {fmt: med[("step", fmt)] for fmt in faithful}}
 
-    value, src = _cached_or_measured(
+    parts = speed_parts(faithful)
+    formats, all_formats = faithful, formats
+    if len(faithful) == 1:  # nothing to race
+        only = faithful[0]
+        chosen = box.get(only) or (convert_model(box["float32"], only) if "float32" in box else None)
+        if chosen is None and loaded:
+            chosen = convert_model(model, only)
+        src = {"cached": all(fid[f].get("source", {}).get("cached", True) for f in all_formats), "created": None,
+               "seconds": 0.0, "path": None, "only_faithful": True}
+        return only, {"step_ms": {}, "tokens": tokens, "source": src, "fidelity": fid,
+                      "unfaithful": [f for f in all_formats if f != only]}, chosen
+    value, src = cached_or_measured(
         cache, "format", parts, measure, progress,
-        ("" if loaded else f"loading {'the default model' if model in (None, 'default') else model} in float32, then ")
+        ("" if loaded or "float32" in box else
+         f"loading {'the default model' if model in (None, 'default') else model} in float32, then ")
         + f"measuring its decode step ({tokens} token{'s' if tokens > 1 else ''} per call) in {', '.join(formats)} "
         "for --dtype auto")
     step = {f: float(value["step_ms"][f]) for f in formats}  # in the order asked (JSON sorts the keys)
@@ -1111,4 +1126,5 @@ def fastest_format(model, *, formats: Sequence[str] = llama.WEIGHT_FORMATS, toke
     chosen = box.get(best)
     if chosen is None and loaded:
         chosen = convert_model(model, best)
-    return best, {"step_ms": step, "tokens": tokens, "source": src}, chosen
+    unfaithful = [f for f in all_formats if f not in faithful]
+    return best, {"step_ms": step, "tokens": tokens, "source": src, "fidelity": fid, "unfaithful": unfaithful}, chosen

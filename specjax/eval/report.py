@@ -16,18 +16,23 @@ def markdown_tables(results: dict) -> str:
     overall table (one row per method: tokens/s, speedups, τ, acceptance, new tokens,
     seconds, GB/s) and a per-category table (tokens/s · speedup · τ); ``–`` for a missing value."""
     methods = results["methods"]
+    fid = results.get("fidelity") or {}
     lines = [
         "| method | tokens/s | speedup | speedup (decode time) | τ tokens/call | acceptance | new tokens "
-        "| decode s | wall s | GB/s | compile s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| decode s | wall s | GB/s | compile s | format: KL vs float32 · top-1 |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for name, m in methods.items():
         o = m["overall"]
+        f = fid.get(m.get("dtype"))
+        fcell = "–" if not f else (f"{m['dtype']}: {f['mean_kl']:.2g} · {100 * f['top1_agreement']:.1f}%"
+                                   + ("" if f["faithful"] else " (not faithful)"))
         lines.append(
             f"| {name} | {_f(o['tokens_per_s'], '{:.1f}')} | {_f(o['speedup'], '{:.2f}×')} "
             f"| {_f(o['speedup_decode_time'], '{:.2f}×')} | {_f(o['mean_accepted_tokens'])} "
             f"| {_f(o['acceptance_rate'], '{:.3f}')} | {o['new_tokens']} | {_f(o['decode_s'], '{:.2f}')} "
-            f"| {_f(o['wall_s'], '{:.2f}')} | {_f(o['bandwidth_gb_s'], '{:.1f}')} | {_f(m.get('compile_s'), '{:.1f}')} |"
+            f"| {_f(o['wall_s'], '{:.2f}')} | {_f(o['bandwidth_gb_s'], '{:.1f}')} | {_f(m.get('compile_s'), '{:.1f}')} "
+            f"| {fcell} |"
         )
     cats: list[str] = []
     for m in methods.values():
@@ -149,7 +154,8 @@ def _render_measured(m: dict) -> list[str]:
          "measured": m["mean_accepted_tokens"], "difference": m["tokens_discrepancy"],
          "note": "E(N) from α vs mean_accepted_tokens (acceptances are not independent)"},
         {"quantity": "acceptance rate", "predicted": m["alpha"], "measured": m["acceptance_rate"],
-         "difference": m["acceptance_rate"] - m["alpha"], "note": "α (Σmin) vs accepted ÷ checked drafts"},
+         "difference": None if m["acceptance_rate"] is None else m["acceptance_rate"] - m["alpha"],
+         "note": "α (Σmin) vs accepted ÷ checked drafts"},
         {"quantity": "speedup (×)", "predicted": m["predicted_speedup"], "measured": m["measured_speedup"],
          "difference": m["predicted_speedup"] - m["measured_speedup"],
          "note": f"relative error {m['speedup_relative_error']:+.1%}"},

@@ -33,8 +33,8 @@ from jaxtyping import Array, Bool, Float, Int
 from specjax.models import weights
 from specjax.models.config import ModelConfig
 from specjax.models.weights import (  # noqa: F401  (the table's functions, re-exported)
-    WEIGHT_FORMATS, Part, WeightSpec, checkpoint_names, fuse, init_weight, layer_weights, matmul_weights,
-    num_params, param_logical_axes, part_of, quantize_int8, split, storage_dtype, weight_spec,
+    FORMAT_DEFINITION, WEIGHT_FORMATS, Part, WeightSpec, checkpoint_names, fuse, init_weight, layer_weights,
+    matmul_weights, num_params, param_logical_axes, part_of, quantize_int8, split, storage_dtype, weight_spec,
 )
 
 

@@ -28,6 +28,13 @@ import numpy as np
 from specjax.models.config import ModelConfig
 
 WEIGHT_FORMATS = ("float32", "bfloat16", "int8")
+# What each format computes, for cache keys (measurements, fidelity): change the text when a
+# format's arithmetic changes, so nothing measured under the old definition is reused.
+FORMAT_DEFINITION = {
+    "float32": "float32 weights and activations",
+    "bfloat16": "bfloat16 weights, float32 accumulation",
+    "int8": "int8 weights per output channel x int8 activations per row, int32 accumulation",
+}
 
 
 class _Tensor:
