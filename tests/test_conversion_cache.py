@@ -18,11 +18,11 @@ from conftest import tiny_model
 from specjax.io import convcache, loading
 from specjax.io import gguf as gguf_loader
 from specjax.io.loading import (
-    conversion_cached, float_tensors, load_model, load_tokenizer, recording_loads, save_model,
+    conversion_cached, load_model, load_tokenizer, recording_loads, save_model,
 )
 from specjax.models import llama
-from test_tokenizer import ALPHABET, EXTRA, MERGES, SPECIALS
-from test_weight_table import _permute_qk
+from test_tokenizer import ALPHABET, EXTRA, SPECIALS, add_tiny_tokenizer
+from test_weight_table import write_gguf
 
 FORMATS = ("float32", "int8", "bfloat16")
 TOKENS = SPECIALS + ALPHABET + EXTRA  # 262 tokens: the tiny models' vocabulary
@@ -31,39 +31,11 @@ TOKENS = SPECIALS + ALPHABET + EXTRA  # 262 tokens: the tiny models' vocabulary
 def write_model_gguf(model, path, pre="smollm") -> str:
     """``model`` (vocabulary of ``len(TOKENS)``) as a float32 llama GGUF with a byte-level BPE
     tokenizer and a chat template."""
-    import gguf
+    def tokenizer(w):
+        add_tiny_tokenizer(w, pre)
+        w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['content'] }}{% endfor %}")
 
-    cfg = model.config
-    w = gguf.GGUFWriter(str(path), "llama")
-    for key, val in [("vocab_size", cfg.vocab_size), ("embedding_length", cfg.hidden_size),
-                     ("feed_forward_length", cfg.intermediate_size), ("block_count", cfg.num_layers),
-                     ("attention.head_count", cfg.num_heads), ("attention.head_count_kv", cfg.num_kv_heads),
-                     ("attention.key_length", cfg.head_dim), ("context_length", cfg.max_position_embeddings)]:
-        w.add_uint32(f"llama.{key}", val)
-    w.add_float32("llama.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
-    w.add_float32("llama.rope.freq_base", cfg.rope_theta)
-    w.add_tokenizer_model("gpt2")
-    if pre is not None:
-        w.add_tokenizer_pre(pre)
-    w.add_token_list(TOKENS)
-    w.add_token_types([3] * len(SPECIALS) + [1] * (len(TOKENS) - len(SPECIALS)))
-    w.add_token_merges(MERGES)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(0)
-    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['content'] }}{% endfor %}")
-    for p, whole in float_tensors(model):
-        spec = llama.weight_spec(p[-1])
-        for t, a in llama.split(spec, cfg, np.asarray(whole, np.float32)):
-            if t.gguf_transpose:
-                a = a.T
-            if t.gguf_permute:
-                a = _permute_qk(a, getattr(cfg, t.gguf_permute))
-            w.add_tensor(t.checkpoint_name("gguf", p[1] if spec.per_layer else None), np.ascontiguousarray(a))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return str(path)
+    return str(write_gguf(model, str(path), "llama", tokenizer=tokenizer))
 
 
 @pytest.fixture

@@ -34,12 +34,9 @@ EXTRA = ["12", "123", "ĠĠ", "Ġ12"]
 SPECIALS = ["<|endoftext|>", "<|im_start|>"]
 
 
-def write_tiny_gguf(path, pre=None) -> str:
-    """A GGUF holding only a byte-level BPE tokenizer (``tokenizer.ggml.pre = pre`` unless None)."""
-    import gguf
-
+def add_tiny_tokenizer(w, pre=None) -> None:
+    """Write the tiny byte-level BPE tokenizer (262 tokens, bos 1, eos 0) into GGUF writer ``w``."""
     tokens = SPECIALS + ALPHABET + EXTRA
-    w = gguf.GGUFWriter(str(path), "llama")
     w.add_tokenizer_model("gpt2")
     if pre is not None:
         w.add_tokenizer_pre(pre)
@@ -48,6 +45,14 @@ def write_tiny_gguf(path, pre=None) -> str:
     w.add_token_merges(MERGES)
     w.add_bos_token_id(1)
     w.add_eos_token_id(0)
+
+
+def write_tiny_gguf(path, pre=None) -> str:
+    """A GGUF holding only a byte-level BPE tokenizer (``tokenizer.ggml.pre = pre`` unless None)."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    add_tiny_tokenizer(w, pre)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -64,9 +64,10 @@ def _permute_qk(w, n_heads):
     return w.reshape(n_heads, 2, out // n_heads // 2, *rest).swapaxes(1, 2).reshape(out, *rest)
 
 
-def write_gguf(model, path: str, arch: str) -> str:
+def write_gguf(model, path: str, arch: str, tokenizer=None) -> str:
     """``model`` as a float32 GGUF file; tensor names (a fused weight's parts), transposes and the
-    Q/K permutation from the weight table (the writer side of the loader's rules)."""
+    Q/K permutation from the weight table (the writer side of the loader's rules). ``tokenizer``:
+    a function that writes tokenizer fields into the writer (default: only the config's bos/eos ids)."""
     import gguf
 
     cfg = model.config
@@ -78,8 +79,11 @@ def write_gguf(model, path: str, arch: str) -> str:
         w.add_uint32(f"{arch}.{key}", val)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
     w.add_float32(f"{arch}.rope.freq_base", cfg.rope_theta)
-    w.add_uint32("tokenizer.ggml.bos_token_id", cfg.bos_token_id)
-    w.add_uint32("tokenizer.ggml.eos_token_id", cfg.eos_token_ids[0])
+    if tokenizer is None:
+        w.add_uint32("tokenizer.ggml.bos_token_id", cfg.bos_token_id)
+        w.add_uint32("tokenizer.ggml.eos_token_id", cfg.eos_token_ids[0])
+    else:
+        tokenizer(w)
     for p, whole in float_tensors(model):
         spec = llama.weight_spec(p[-1])
         for t, a in llama.split(spec, cfg, np.asarray(whole, np.float32)):
