@@ -22,6 +22,8 @@ from typing import Sequence
 
 import numpy as np
 
+from specjax.models.weights import FORMAT_DEFINITION
+
 MAX_KL = 1e-3  # nats, mean over positions
 MIN_TOP1 = 0.98
 NEAR_TIE = 0.1  # float32 top-2 logit gap under which a disagreement is a tie, not an error
@@ -166,10 +168,10 @@ def describe(fmt: str, fid: dict) -> str:
 # runtime prompts (:func:`measure`, 2-core x86 hosts), keyed by the format's definition
 # (specjax.models.weights.FORMAT_DEFINITION): what a note may say before this host has measured.
 SHIPPED_DEFAULT_MODEL: dict[str, dict] = {
-    "bfloat16 weights, float32 accumulation": {
+    FORMAT_DEFINITION["bfloat16"]: {
         "mean_kl": 0.000288, "top1_agreement": 1.0, "disagreements": 0, "near_tie_disagreements": 0,
         "positions": 192, "prompts": 8, "new_tokens": 24, "faithful": True},
-    "int8 weights per output channel x int8 activations per row, int32 accumulation": {
+    FORMAT_DEFINITION["int8"]: {
         "mean_kl": 0.0458, "top1_agreement": 0.9115, "disagreements": 17, "near_tie_disagreements": 5,
         "positions": 192, "prompts": 8, "new_tokens": 24, "faithful": False},
 }
