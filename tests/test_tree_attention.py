@@ -16,7 +16,7 @@ import pytest
 from conftest import tiny_config, tiny_model
 from specjax.core import tree as T
 from specjax.io.loading import assemble_params, float_tensors
-from specjax.models import llama
+from specjax.models import attention, llama
 
 MAXLEN = 128  # two attention blocks
 LENGTHS = np.array([61, 20, 121])  # committed tokens per row: roots at slots 60 (tree crosses 64), 19, 120 (ends at 127)
@@ -123,7 +123,7 @@ def _check(got, want, fmt, what):
 def test_tree_logits_equal_the_causal_path(setup):
     """(a) Every node's logits from ONE tree call == the causal call over its root → node path
     (same T, the path then garbage) and == feeding the path one token at a time: ≤ 1e-5 in
-    float32, bit-identical in bfloat16 and int8 (the window of :func:`llama._tree_window` puts each
+    float32, bit-identical in bfloat16 and int8 (the window of :func:`attention._tree_window` puts each
     query's ancestors where the causal call has them; the kernels are batch-invariant)."""
     tree_logits, _ = setup.tree_call()
     causal_root, _ = setup.causal_call(setup.path_tokens(0))
@@ -223,9 +223,9 @@ def test_compaction_of_a_chain_is_a_no_op():
 
 
 def _in_place_reduced_attention(q, k, v, positions, cfg, tree_mask):
-    """Negative control: :func:`llama._attention`'s reduced-format sums with the tree mask applied
+    """Negative control: :func:`attention._attention`'s reduced-format sums with the tree mask applied
     in the scratch layout (ancestors where the tree call wrote them, zeros between), i.e. WITHOUT
-    the per-query window of :func:`llama._tree_window`."""
+    the per-query window of :func:`attention._tree_window`."""
     b, t, h, hd = q.shape
     kv, blk = cfg.num_kv_heads, llama.ATTENTION_BLOCK
     nb = k.shape[2] // blk
@@ -234,7 +234,7 @@ def _in_place_reduced_attention(q, k, v, positions, cfg, tree_mask):
     kb, vb = k.reshape(b, kv, nb, blk, hd), v.reshape(b, kv, nb, blk, hd)
     sc = jnp.einsum("bkmd,bknsd->bknms", qg.astype(dt), kb.astype(dt), preferred_element_type=jnp.float32)
     sc = sc * (1.0 / math.sqrt(hd))
-    vis = llama._tree_visible(tree_mask, positions[:, 0], h // kv, nb, blk)
+    vis = attention._tree_visible(tree_mask, positions[:, 0], h // kv, nb, blk)
     sc = jnp.where(vis, sc, -jnp.inf)
     m = jnp.max(sc, axis=(2, 4), keepdims=True)
     e = jnp.where(vis, jnp.exp(sc - m), 0.0).astype(dt)
@@ -252,7 +252,7 @@ def test_tree_attention_kernel_is_the_causal_kernel(q_dtype, cache_dtype):
     node's path. Reduced precision (bf16 dots: a bf16 query or cache) is bit-identical; float32
     ≤ 1e-6. Negative control: the same reduced sums with the mask applied in place (ancestors at
     their scratch slots) are NOT bit-identical — pairwise and per-block sums group the terms
-    differently when zeros sit elsewhere — which is why :func:`llama._tree_window` exists."""
+    differently when zeros sit elsewhere — which is why :func:`attention._tree_window` exists."""
     cfg = tiny_config()
     rng = np.random.default_rng(0)
     h, kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -264,8 +264,8 @@ def test_tree_attention_kernel_is_the_causal_kernel(q_dtype, cache_dtype):
     k = rng.normal(size=(B, kv, MAXLEN, hd)).astype(cache_dtype)
     v = rng.normal(size=(B, kv, MAXLEN, hd)).astype(cache_dtype)
     reduced = q_dtype != "float32" or cache_dtype != "float32"
-    tree_att = np.asarray(jax.jit(lambda *a: llama._attention(*a, cfg, tree_mask=mask))(q, k, v, jnp.asarray(pos)))
-    causal = jax.jit(lambda *a: llama._attention(*a, cfg))
+    tree_att = np.asarray(jax.jit(lambda *a: attention._attention(*a, cfg, tree_mask=mask))(q, k, v, jnp.asarray(pos)))
+    causal = jax.jit(lambda *a: attention._attention(*a, cfg))
     in_place = None
     if reduced:
         in_place = np.asarray(jax.jit(lambda *a: _in_place_reduced_attention(*a, cfg, mask))(q, k, v, jnp.asarray(pos)))

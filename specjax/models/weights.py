@@ -1,6 +1,6 @@
 """The weight table: every parameter of a Llama-family model, declared once (:data:`WEIGHTS`).
 
-Initialisation and abstract shapes (:class:`specjax.models.llama.Transformer`), the Hugging
+Initialisation and abstract shapes (:class:`specjax.models.params.Transformer`), the Hugging
 Face and GGUF loaders and :func:`specjax.io.loading.save_model` (names, transposes, the GGUF
 Q/K row permutation), the sharding rules (:mod:`specjax.runtime.sharding`), the int8 format
 (which weights, on which axis) and the EAGLE drafter's block all read this table; adding an
