@@ -1,6 +1,9 @@
 """Accuracy of the bfloat16 and int8 weight formats against float32 on real prompts.
 
-    python benchmarks/accuracy.py --prompts ../shared/data/spec_bench/question.jsonl --limit 2 --max-new-tokens 64
+    python benchmarks/accuracy.py --prompts tests/data/spec_bench/question_excerpt.jsonl --limit 2 --max-new-tokens 64
+
+(the Spec-Bench excerpt carried in the repository; Spec-Bench's whole ``data/spec_bench/question.jsonl``
+works the same way).
 
 Prints a markdown table (top-1 agreement, mean KL(p_f32 ‖ p_format), greedy agreement
 length) and, with --out, the full JSON report.

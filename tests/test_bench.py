@@ -162,8 +162,6 @@ def test_select_and_batches():
 
 def test_peers_transformers_same_schema(tiny_dir, tmp_path, capsys, monkeypatch):
     """benchmarks/peers_transformers.py on the tiny model: the same JSON schema as specjax bench."""
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
     import importlib.util
     import os
 

@@ -5,7 +5,9 @@
    inside an accepted block, max_new_tokens ∈ {1, γ, γ+1}) and on tiny models (γ 1..6 ×
    batch 1/3/5 × per-row max_new). A divergence passes only at a detected float32 near-tie
    (top-2 logit margin < 1e-3 at the first differing position, recomputed with one full
-   forward of the autoregressive prefix); it is printed and raised as a warning.
+   forward of the autoregressive prefix); it is printed, raised as a warning and recorded; at most
+   MAX_NEAR_TIE_SITES distinct sites may be tolerated, and test_report_near_ties (last) re-verifies
+   each recorded one with another forward.
 2. Keys: same key ⇒ same output, different key ⇒ different output, a row's output does not
    depend on the other rows or its slot (speculative sampling, temperature 1).
 3. Sampled speculative decoding has the target's distribution: chi-square of the first 3
@@ -35,9 +37,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from scipy import stats as sps
 
 from conftest import tiny_model
+from stats_helpers import chi2_test
 
 from specjax.runtime.decoder import Decoder, request_keys
 from specjax.core.drafting import Proposal
@@ -48,7 +50,39 @@ from specjax.models import llama
 from specjax.core.sampling import SamplingParams, process_logits
 
 NEAR_TIE = 1e-3  # top-2 logit margin below which float32 rounding may pick either token
-NEAR_TIES: list[str] = []  # every tolerated divergence, reported at the end of the session
+# Distinct near-tie sites (prompt + autoregressive prefix) at which a divergence may be tolerated in
+# one session (test_decode.py and test_tree_loop.py share this list): a float32 near-tie is a property
+# of the reference's logits at one position, so it recurs across drafters and γ at the same site; a
+# defect that diverges at many places would need many sites. A site lies on the autoregressive path
+# (check_greedy stops at the first difference), so there are at most as many as the reference has
+# positions with a top-2 margin < NEAR_TIE; 0 were tolerated in test_decode.py's tiny and real greedy
+# tests in the session that set this bound.
+MAX_NEAR_TIE_SITES = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class NearTie:
+    """A tolerated divergence: at new token ``position`` after ``prompt`` + ``prefix`` the reference
+    emitted ``ar``, speculation ``spec``; the top-2 logit margin there was ``margin``."""
+
+    label: str
+    model: Any = dataclasses.field(compare=False, repr=False)
+    prompt: tuple
+    prefix: tuple
+    ar: int
+    spec: int
+    margin: float
+
+    @property
+    def site(self):
+        return self.prompt + self.prefix
+
+    def __str__(self):
+        return (f"{self.label}: float32 near-tie tolerated at new token {len(self.prefix)}: AR {self.ar} vs "
+                f"spec {self.spec}, top-2 logit margin {self.margin:.2e} < {NEAR_TIE}")
+
+
+NEAR_TIES: list[NearTie] = []  # every tolerated divergence; re-verified by test_report_near_ties
 
 # One shared table of compiled executables: keys hold the full static program and every
 # argument's shape, so decoders with equal programs (parameters are arguments) share them.
@@ -109,11 +143,15 @@ def check_greedy(model, prompt, ref, got, max_new, eos, label) -> bool:
     if not near:
         pytest.fail(f"{label}: speculative != autoregressive at new token {i} (AR {exp[i]}, spec {got[i]}); "
                     f"top-2 margin {margin:.3g} is not a float32 near-tie\n  AR   {exp}\n  spec {got}")
-    msg = (f"{label}: float32 near-tie tolerated at new token {i}: AR {exp[i]} vs spec {got[i]}, "
-           f"top-2 logit margin {margin:.2e} < {NEAR_TIE}")
-    print(msg)
-    warnings.warn(msg)
-    NEAR_TIES.append(msg)
+    tie = NearTie(label, model, tuple(int(t) for t in prompt), tuple(int(t) for t in exp[:i]),
+                  int(exp[i]), int(got[i]), margin)
+    print(tie)
+    warnings.warn(str(tie))
+    NEAR_TIES.append(tie)
+    sites = sorted({t.site for t in NEAR_TIES})
+    assert len(sites) <= MAX_NEAR_TIE_SITES, (
+        f"{len(sites)} distinct float32 near-tie sites tolerated this session (at most {MAX_NEAR_TIE_SITES}): "
+        "a divergence this frequent is no longer rounding\n" + "\n".join(map(str, NEAR_TIES)))
     return False
 
 
@@ -527,22 +565,12 @@ def exact_first3(sv, top_k=0) -> np.ndarray:
 
 
 def chi_square(tokens, probs):
-    """(p-value, emitted sequences of probability 0) for first-3-token counts vs ``probs``."""
+    """(p-value, emitted sequences of probability 0) for first-3-token counts vs ``probs``
+    (the shared helper ``stats_helpers.chi2_test``: cells of expectation < 5 pooled, an impossible
+    test fails)."""
     idx = np.asarray([t[0] * V_SMALL * V_SMALL + t[1] * V_SMALL + t[2] for t in tokens])
-    obs = np.bincount(idx, minlength=V_SMALL ** 3).astype(np.float64)
-    exp = probs.reshape(-1) * len(idx)
-    impossible = int(obs[exp == 0].sum())
-    keep = exp >= 5  # cells with a small expectation are pooled into one bin
-    o, e = obs[keep], exp[keep]
-    rest_o, rest_e = obs[~keep].sum(), exp[~keep].sum()
-    if rest_e >= 5:
-        o, e = np.append(o, rest_o), np.append(e, rest_e)
-    else:  # too small for a bin of its own: merge it into the smallest bin
-        k = int(np.argmin(e))
-        o[k] += rest_o
-        e[k] += rest_e
-    stat = float(((o - e) ** 2 / e).sum())
-    return float(sps.chi2.sf(stat, len(e) - 1)), impossible
+    res = chi2_test(np.bincount(idx, minlength=V_SMALL ** 3), probs)
+    return res.pvalue, res.impossible
 
 
 def eagle_copy_drafter(target):
@@ -745,42 +773,63 @@ def test_real_sampling_keys_and_row_independence(real):
 
 
 # --------------------------------------------------------------------------- Spec-Bench gate
-SPEC_BENCH = "/work/shared/data/spec_bench/question.jsonl"
-FULL_GATES = os.environ.get("SPECJAX_FULL_GATES") == "1"
+# the Spec-Bench excerpt carried in the repository (tests/data/spec_bench, Apache-2.0): every clone runs this
+SPEC_BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "spec_bench", "question_excerpt.jsonl")
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.path.exists(SPEC_BENCH), reason="Spec-Bench prompts not available")
 def test_ngram_summarization_mean_accepted_tokens(default_model):
     """n-gram (max n 3), γ = 4, greedy, chat template, max_new_tokens 128 on Spec-Bench
-    summarization: τ = total new tokens ÷ total target calls ≥ 1.5 (the mean over prompts of
-    the per-prompt τ is printed too). All 40 prompts with SPECJAX_FULL_GATES=1 (minutes on
-    2 cores: 30k prompt tokens to prefill); otherwise the 5 shortest (one batch)."""
+    summarization — the 6 summarization questions of the excerpt (the evaluation split's 5 and
+    the shortest of all; 193–690 tokens), one batch: τ = total new tokens ÷ total target calls
+    ≥ 1.5 (the mean over prompts of the per-prompt τ is printed too)."""
     from specjax.api import encode_prompts
     from specjax.io.prompts import read_prompts
 
     items = [p for p in read_prompts(SPEC_BENCH) if p["category"] == "summarization"]
-    assert len(items) == 40
+    assert len(items) == 6
     ids = encode_prompts(default_model, [p["prompt"] for p in items], chat=True)
-    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
-    if not FULL_GATES:
-        order = order[:5]
     dec = make_decoder(default_model, NgramDrafter(3), 4)
-    per, new, calls = [], 0, 0
-    for s in range(0, len(order), 8):
-        batch = [ids[i] for i in order[s: s + 8]]
-        res = dec.generate(batch, max_new_tokens=128)
-        for st in res.stats:
-            per.append(st["mean_accepted_tokens"])
-            new += st["new_tokens"]
-            calls += st["target_calls"]
+    res = dec.generate(ids, max_new_tokens=128)
+    per = [st["mean_accepted_tokens"] for st in res.stats]
+    new = sum(st["new_tokens"] for st in res.stats)
+    calls = sum(st["target_calls"] for st in res.stats)
     tau = new / calls
-    print(f"n-gram γ=4 summarization ({len(order)} prompts): total new/total calls τ = {tau:.3f}, "
+    print(f"n-gram γ=4 summarization ({len(ids)} prompts): total new/total calls τ = {tau:.3f}, "
           f"mean of per-prompt τ = {np.mean(per):.3f}, per prompt {np.round(per, 2).tolist()}")
     assert tau >= 1.5, f"n-gram mean_accepted_tokens {tau:.3f} < 1.5 on summarization"
 
 
+def test_check_greedy_tolerates_only_near_ties(tiny):
+    """The tolerance of :func:`check_greedy` can fail: a divergence where the reference's top-2
+    logits are far apart (the peaked tiny target) is a failure, not a recorded near-tie."""
+    prompt, ref = tiny["pool"][3], tiny["ref"][3]
+    exp = expected_greedy(ref, N_REF, [])
+    z = full_logits(tiny["target"], [list(prompt) + exp[:2]])[0, len(prompt) + 1]
+    second = int(np.argsort(z)[-2])
+    assert int(np.argmax(z)) == exp[2] and z[exp[2]] - z[second] > 100 * NEAR_TIE
+    got = exp[:2] + [second] + exp[3:]
+    before = len(NEAR_TIES)
+    with pytest.raises(pytest.fail.Exception, match="is not a float32 near-tie"):
+        check_greedy(tiny["target"], prompt, ref, got, N_REF, [], "fabricated divergence")
+    assert len(NEAR_TIES) == before
+
+
 def test_report_near_ties():
-    """Runs last in this file: prints every tolerated float32 near-tie (none is silent)."""
-    for msg in NEAR_TIES:
-        print("NEAR-TIE:", msg)
+    """Runs last in this file: prints every tolerated float32 near-tie (none is silent) and
+    re-verifies each one independently — the top-2 logits recomputed through another forward
+    (``eval.formats.teacher_forced_logits``, batch 1) at the recorded site are the two tokens
+    that differed and lie within NEAR_TIE (+ 1e-5 for the other program's float32 rounding) —
+    and that at most MAX_NEAR_TIE_SITES distinct sites were tolerated."""
+    from specjax.eval.formats import teacher_forced_logits
+
+    for tie in NEAR_TIES:
+        print("NEAR-TIE:", tie)
+        z = teacher_forced_logits(tie.model, list(tie.site))[-1]
+        top2 = np.argsort(z)[-2:]
+        margin = float(z[top2[1]] - z[top2[0]])
+        assert {tie.ar, tie.spec} == set(top2.tolist()) and tie.ar != tie.spec, (
+            f"{tie}: the differing tokens are not the top-2 there (top-2 {top2.tolist()})")
+        assert margin < NEAR_TIE + 1e-5, f"{tie}: recomputed top-2 margin {margin:.2e} is no near-tie"
+    sites = {t.site for t in NEAR_TIES}
+    assert len(sites) <= MAX_NEAR_TIE_SITES, f"{len(sites)} near-tie sites: " + "; ".join(map(str, NEAR_TIES))

@@ -183,9 +183,19 @@ def formats_models(default_model):
     return {"bfloat16": load_model(dtype="bfloat16"), "int8": load_model(dtype="int8")}
 
 
+# int8 (per-channel weights x per-row activations) against float32 on these 10 prompts x 32 tokens
+# (330 positions), measured: top-1 0.876, mean KL 0.041 nats (the fidelity measurement of
+# BENCHMARKS.md, 8 other prompts: 0.911 / 0.046). The bounds leave ~3 standard errors of top-1 and
+# ~20% of KL; one bit of weight precision lost (7-bit weights, planted: top-1 0.867, KL 0.058) fails.
+INT8_MIN_TOP1 = 0.82
+INT8_MAX_KL = 0.05
+
+
 @pytest.mark.gate_matrix  # real model in 3 formats: .ci/run's gate-matrix phase (the suite keeps the tiny-model checks)
 def test_real_accuracy_against_float32(default_model, formats_models, real_prompts):
-    """bfloat16 top-1 agreement with float32 >= 98% on real prompts; int8 reported."""
+    """bfloat16 top-1 agreement with float32 >= 98% on real prompts; int8 within its stated bound:
+    top-1 >= INT8_MIN_TOP1 and mean KL <= INT8_MAX_KL (int8 is not faithful — BENCHMARKS.md "The
+    fidelity bar" — but a regression of the format must not pass unnoticed)."""
     from specjax.eval.formats import accuracy_report, format_report
 
     # all 10 prompts, 32 tokens: the same autoregressive programs as the exactness test below
@@ -194,7 +204,10 @@ def test_real_accuracy_against_float32(default_model, formats_models, real_promp
     print("\n" + format_report(rep, 32))
     assert rep["bfloat16"]["top1_agreement"] >= 0.98, rep["bfloat16"]
     assert rep["bfloat16"]["mean_kl"] < rep["int8"]["mean_kl"] + 1.0  # both finite and reported
-    assert 0 < rep["int8"]["top1_agreement"] <= 1
+    i8 = rep["int8"]
+    assert i8["top1_agreement"] >= INT8_MIN_TOP1 and i8["mean_kl"] <= INT8_MAX_KL, (
+        f"int8 vs float32: top-1 {i8['top1_agreement']:.3f} (bound >= {INT8_MIN_TOP1}), mean KL "
+        f"{i8['mean_kl']:.4f} nats (bound <= {INT8_MAX_KL}) on {i8['positions']} positions")
 
 
 @pytest.mark.gate_matrix  # the gate matrix compares speculative and autoregressive bit for bit in every format

@@ -68,7 +68,7 @@ TRICKY = [
 @pytest.fixture(scope="module")
 def hf_gguf():
     """transformers' own loading of the shipped GGUF (dequantized to float32) + tokenizer."""
-    torch = pytest.importorskip("torch")
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     # One intra-op thread: on the shared 2-core machine a second torch thread only spins
@@ -111,7 +111,8 @@ def test_tokenizer_matches_transformers(default_model, hf_gguf):
 
 
 def test_gguf_logits_match_transformers(default_model, hf_gguf):
-    torch = pytest.importorskip("torch")
+    import torch
+
     hf, _ = hf_gguf
     tok = default_model.tokenizer
     ids = [chat_ids(tok, p) for p in CHAT_PROMPTS[:3]]
@@ -131,7 +132,7 @@ def test_gguf_logits_match_transformers(default_model, hf_gguf):
 def test_greedy_matches_transformers_generate(default_model, hf_gguf):
     """64 new tokens for a batch of 4 chat prompts, EOS disabled on both sides, token for
     token (transformers runs the batch left-padded with an attention mask)."""
-    torch = pytest.importorskip("torch")
+    import torch
     from transformers import GenerationConfig
 
     hf, _ = hf_gguf

@@ -13,9 +13,10 @@ import time
 
 import pytest
 
-nbformat = pytest.importorskip("nbformat")
-pytest.importorskip("nbclient")
-pytest.importorskip("ipykernel")
+# the test extra (pyproject.toml) installs these: a missing one is an error, not a skip
+import ipykernel  # noqa: E402,F401  (the kernel the notebooks run on)
+import nbclient  # noqa: E402,F401
+import nbformat  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NB_DIR = os.path.join(ROOT, "notebooks")

@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from scipy import stats
+
+from stats_helpers import chi2_pvalue
 
 from specjax.core.sampling import process_logits, sample
 from specjax.core.acceptance import verify, verify_row
@@ -252,6 +253,8 @@ def test_seed_example_exact_numbers():
 # outcome is deterministic; a correct implementation fails a given check for
 # about 1 in 1000 key choices, so ~N × 1e-3 for the N checks here). The
 # negative controls must fail with p < 1e-12.
+# ``chi2_pvalue`` (tests/stats_helpers.py) merges bins of expected count < 5
+# and fails when fewer than 2 bins remain.
 
 N_ROWS = 20_000
 GAMMA = 3
@@ -282,22 +285,9 @@ def _sampled_round(key, p, q_actual, q_claimed, num_allowed, wrong=False):
 
 
 def _chi2_pvalue(samples, probs):
-    """Chi-square goodness of fit; bins with expected count < 5 are merged."""
-    probs = np.asarray(probs, np.float64)
-    counts = np.bincount(samples, minlength=probs.size)
-    assert counts.size == probs.size
-    assert counts[probs == 0].sum() == 0, "a zero-probability token was emitted"
-    n = counts.sum()
-    exp = probs / probs.sum() * n
-    big = exp >= 5
-    obs_b, exp_b = list(counts[big]), list(exp[big])
-    small_exp = exp[~big & (probs > 0)].sum()
-    if small_exp > 0:
-        obs_b.append(counts[~big & (probs > 0)].sum())
-        exp_b.append(small_exp)
-    if len(obs_b) < 2:
-        return 1.0
-    return stats.chisquare(obs_b, exp_b).pvalue
+    """Chi-square p-value of the token ids ``samples`` against ``probs`` [V] (the shared helper:
+    small bins merged, an impossible test fails, an emitted zero-probability token fails)."""
+    return chi2_pvalue(np.bincount(samples, minlength=np.size(probs)), probs)
 
 
 V_PAD = 50  # every setting is padded to this vocabulary: one compilation

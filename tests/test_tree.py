@@ -34,7 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from scipy import stats
+
+from stats_helpers import chi2_pvalue
 
 from specjax.core import tree as T
 from specjax.core.acceptance import verify
@@ -501,24 +502,10 @@ def test_walk_realizes_every_event_on_fixed_trees(scheme):
 # Significance: every correct-path check uses alpha = 1e-3. With fixed keys the outcome is
 # deterministic; a correct implementation fails a given check for about 1 in 1000 key choices, so
 # about (number of checks) × 1e-3 here (~1%). The negative controls must fail with p < 1e-12.
+# ``chi2_pvalue`` (tests/stats_helpers.py) merges bins of expected count < 5 and fails when fewer
+# than 2 bins remain.
 
 N_ROWS = 20_000
-
-
-def _chi2_pvalue(counts, probs):
-    """Chi-square goodness of fit; bins with expected count < 5 are merged."""
-    probs = np.asarray(probs, np.float64).ravel()
-    counts = np.asarray(counts).ravel()
-    assert counts[probs <= 0].sum() == 0, "an outcome of probability 0 happened"
-    exp = probs / probs.sum() * counts.sum()
-    big = exp >= 5
-    obs_b, exp_b = list(counts[big]), list(exp[big])
-    if exp[~big].sum() > 0:
-        obs_b.append(counts[~big].sum())
-        exp_b.append(exp[~big].sum())
-    if len(obs_b) < 2:
-        return 1.0
-    return stats.chisquare(obs_b, exp_b).pvalue
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -541,7 +528,7 @@ def test_chi_square_walk_against_kernels(scheme):
     last = np.where(nn > 0, path[np.arange(N_ROWS), np.maximum(nn - 1, 0)], -1)
     counts = np.zeros((n + 1, V), int)
     np.add.at(counts, (last + 1, tok), 1)
-    assert _chi2_pvalue(counts, exact) > 1e-3
+    assert chi2_pvalue(counts, exact) > 1e-3
 
 
 @functools.partial(jax.jit, static_argnames=("k", "d", "draw", "walk"))
@@ -591,17 +578,17 @@ def test_chi_square_pipeline(scheme):
     p, q = _depth_dists(50 + SCHEMES.index(scheme), 2, 1.0, 4, 1.0)
     first, second, n = map(np.asarray, _pipeline(jax.random.key(7), p, q, 3, 2, scheme, scheme))
     assert 0 < (n >= 1).mean() < 1 and (n == 2).any()
-    assert _chi2_pvalue(np.bincount(first, minlength=V), p[0]) > 1e-3
-    assert _chi2_pvalue(np.bincount(second[second >= 0], minlength=V), p[1]) > 1e-3
+    assert chi2_pvalue(np.bincount(first, minlength=V), p[0]) > 1e-3
+    assert chi2_pvalue(np.bincount(second[second >= 0], minlength=V), p[1]) > 1e-3
 
 
 @pytest.mark.parametrize("draw, walk", [("without_replacement", "iid"), ("deterministic", "without_replacement")])
 def test_chi_square_pipeline_negative_controls(draw, walk):
     p, q = _depth_dists(60, 2, correlation=0.3)
     first, _, _ = map(np.asarray, _pipeline(jax.random.key(8), p, q, 3, 2, draw, walk))
-    assert _chi2_pvalue(np.bincount(first, minlength=V), p[0]) < 1e-12
+    assert chi2_pvalue(np.bincount(first, minlength=V), p[0]) < 1e-12
     first, _, _ = map(np.asarray, _pipeline(jax.random.key(8), p, q, 3, 2, draw, draw))
-    assert _chi2_pvalue(np.bincount(first, minlength=V), p[0]) > 1e-3
+    assert chi2_pvalue(np.bincount(first, minlength=V), p[0]) > 1e-3
 
 
 def test_sample_children_laws():
@@ -614,11 +601,11 @@ def test_sample_children_laws():
     exact = np.array([[q[a] * q[b] / (1 - q[a]) if a != b else 0.0 for b in range(V)] for a in range(V)])
     counts = np.zeros((V, V), int)
     np.add.at(counts, (tok[:, 0], tok[:, 1]), 1)
-    assert _chi2_pvalue(counts, exact) > 1e-3
+    assert chi2_pvalue(counts, exact) > 1e-3
     tok, ok = map(np.asarray, draw(keys, "iid"))
     counts = np.zeros((V, V), int)
     np.add.at(counts, (tok[:, 0], tok[:, 1]), 1)
-    assert ok.all() and _chi2_pvalue(counts, np.outer(q, q)) > 1e-3
+    assert ok.all() and chi2_pvalue(counts, np.outer(q, q)) > 1e-3
     tok, ok = map(np.asarray, draw(keys[:2], "deterministic"))
     assert (tok == [0, 1]).all() and ok.all()
     one_hot = jnp.asarray([0, 0, 1, 0, 0], jnp.float32)

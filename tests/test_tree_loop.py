@@ -644,24 +644,17 @@ def _real_first3_distribution(model, ids, temperature, top_k):
 
 
 def _chi_square_cells(samples, exact):
-    """(p-value, samples outside the support) of first-3-token tuples against ``exact``; cells with
-    an expectation below 5 are pooled."""
+    """(p-value, samples outside the support, bins) of first-3-token tuples against ``exact`` (the
+    shared helper ``stats_helpers.chi2_test``: cells of expectation < 5 pooled, an impossible test fails)."""
     from collections import Counter
 
-    from scipy import stats as sps
+    from stats_helpers import chi2_test
 
     counts = Counter(samples)
     keys = sorted(exact)
-    obs = np.array([counts.get(k, 0) for k in keys], np.float64)
-    exp = np.array([exact[k] for k in keys])
-    exp = exp / exp.sum() * len(samples)
-    keep = exp >= 5
-    o, e = list(obs[keep]), list(exp[keep])
-    if exp[~keep].sum() > 0:
-        o.append(obs[~keep].sum())
-        e.append(exp[~keep].sum())
-    impossible = sum(v for k, v in counts.items() if k not in exact)
-    return float(sps.chisquare(o, e).pvalue), impossible, len(e)
+    obs = [counts.get(k, 0) for k in keys] + [sum(v for k, v in counts.items() if k not in exact)]
+    res = chi2_test(obs, [exact[k] for k in keys] + [0.0])
+    return res.pvalue, res.impossible, res.bins
 
 
 def _no_sibling_renormalization(step):

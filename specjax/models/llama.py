@@ -21,7 +21,7 @@ concern, and every name of these modules is re-exported here (import from ``spec
 A new family declares its weights in the table, its attention variants (e.g. soft-capped scores,
 sliding windows) in ``attention``, and its block and head here.
 
-Layout choices, measured on XLA CPU (see PERFORMANCE-NOTES): one array per layer
+Layout choices, measured on XLA CPU (stacked weights sliced inside jit: 33–45 ms per step vs 29 ms unrolled): one array per layer
 (not a stacked ``[layers, ...]`` array) with the layer loop unrolled in Python;
 projection weights stored ``[in, out]``, with the query/key/value projections fused into
 one ``w_qkv [D, KV, G + 2, hd]`` and gate/up into one ``w_gate_up [D, 2, F]`` (two matmuls

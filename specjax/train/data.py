@@ -7,7 +7,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import shutil
 import time
 import zlib
 from collections import Counter, defaultdict
@@ -366,30 +365,6 @@ def collect_data(dirs: list[str]) -> tuple[list[dict], dict]:
             seqs.append(dict(q, offset=off))
             off += n
     return seqs, {k: np.concatenate(v) for k, v in arrs.items()}
-
-
-def save_data(path: str, seqs: list[dict], arrays: dict) -> None:
-    """Write a collected data set (``seqs.json`` and one ``.npy`` per array) to the directory
-    ``path``, replacing it atomically (written to ``path.tmp`` and renamed). Not used by
-    the pipeline, which keeps its parts (:func:`collect_parts`)."""
-    tmp = path + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    for k, v in arrays.items():
-        np.save(os.path.join(tmp, k + ".npy"), v)
-    with open(os.path.join(tmp, "seqs.json"), "w") as f:
-        json.dump(seqs, f)
-    if os.path.exists(path):
-        shutil.rmtree(path)
-    os.replace(tmp, path)
-
-
-def load_data(path: str) -> tuple[list[dict], dict]:
-    """A data set written by :func:`save_data`, as ``(seqs, arrays)``."""
-    with open(os.path.join(path, "seqs.json")) as f:
-        seqs = json.load(f)
-    arrays = {k: np.load(os.path.join(path, k + ".npy")) for k in ("hidden", "topk_p", "topk_idx", "argmax")}
-    return seqs, arrays
 
 
 # How much a teacher-forced installed-text token counts when the sub-vocabulary is chosen, next to a

@@ -9,9 +9,11 @@ Pipeline (everything under ``--out DIR``):
    teacher forward per sequence storing the target's final hidden states ``h`` [N, D],
    its top-k next-token probabilities and its argmax. With a tied head the hidden
    states determine the logits exactly; top-k is kept for the loss.
-   ``--data drafter`` / ``both`` add on-policy sequences: continuations drafted by the
-   trained-so-far drafter (its greedy drafts, re-anchored on the target's true features
-   every γ tokens) scored by the target — generated after ``--onpolicy-after`` steps.
+   ``--data drafter`` / ``both`` add on-policy sequences: continuations written by the
+   trained-so-far drafter — each token its greedy first draft, made from the target's true
+   feature of the previous position (re-anchored at every token; ``--gamma`` plays no part)
+   — and scored by the target (:func:`specjax.train.data._onpolicy_fn`); generated once,
+   after ``--onpolicy-after`` steps.
 2. **sub-vocabulary**: the ``--sub-vocab`` most frequent target tokens in the training
    sequences (ties and the remainder filled by lowest id, i.e. earliest BPE merges).
 3. **training** (optax AdamW, linear warmup + cosine decay, global-norm clipping) on
