@@ -9,11 +9,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tomllib
 from typing import Any, Sequence
 
 from specjax.core.drafting import MAX_NGRAM, TreeShape
+from specjax.core import sampling as sampling_mod
+from specjax.core.sampling import Sampling  # (annotations; code reads sampling_mod.Sampling: the declaration)
+from specjax.core.settings import SettingError, knobs
 from specjax.models.config import CheckpointError
 from specjax.runtime.decoder import Decoder
 from specjax.runtime.settings import DecodeSettings
@@ -253,6 +257,8 @@ def generate_text(
     progress=None,
     parse_special: bool = True,
     settings: DecodeSettings | None = None,
+    sampling: Sampling | None = None,
+    **sampling_fields: Any,
 ) -> list[dict]:
     """Generate text for each prompt. Returns one dict per prompt:
     ``{"text", "tokens", "stats"}`` (and ``"logprobs"`` when asked) where ``stats`` has
@@ -269,6 +275,10 @@ def generate_text(
         ranges), or all together as ``settings``.
       settings: a :class:`~specjax.runtime.settings.DecodeSettings` (then leave those keywords
         at their defaults).
+      sampling: a :class:`~specjax.core.sampling.Sampling` (every sampling setting whole), or give
+        its fields as keywords: ``temperature``, ``top_k``, ``top_p`` and every other declared
+        field (``min_p``, ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``,
+        ``min_tokens``, ``logit_bias`` — a dict ``{token id: bias}``) as ``**sampling_fields``.
       stop: strings that end a row when its decoded text contains one: the text is cut
         before it, ``tokens`` end with the token that completed it, ``finish_reason`` is
         ``"stop"``, and nothing after it is emitted or counted (exact with speculative
@@ -294,8 +304,8 @@ def generate_text(
         decoding keyword that is not its default.
     """
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-              batch_size=batch_size, ignore_eos=ignore_eos)
-    settings = _settings(settings, kw)
+              batch_size=batch_size, ignore_eos=ignore_eos, **sampling_fields)
+    settings = _settings(settings, sampling, kw)
     if isinstance(prompts, str):
         raise ValueError(f"prompts must be a list of strings, got one string; pass [{prompts[:20]!r}]")
     if isinstance(stop, str):
@@ -323,7 +333,7 @@ def _generate_batch(dec, tok, ids, rows: range, settings: DecodeSettings, stop, 
     streams = [TextStream(tok, stop) for _ in chunk]
     stop_fn = (lambda i, toks: stop_cut(tok, toks, stop)) if stop else None
     on_chunk = None if on_text is None else _text_callback(on_text, streams, rows.start)
-    r = dec.generate(chunk, max_new_tokens=settings.max_new_tokens, sampling=settings.sampling(len(chunk)),
+    r = dec.generate(chunk, max_new_tokens=settings.max_new_tokens, sampling=settings.params(len(chunk)),
                      seed=settings.seed, seed_offset=rows.start, eos_ids=settings.eos_ids(), stop_fn=stop_fn,
                      on_chunk=on_chunk, logprobs=logprobs, stop_token_ids=stop_ids)
     out = []
@@ -339,15 +349,30 @@ def _generate_batch(dec, tok, ids, rows: range, settings: DecodeSettings, stop, 
     return out
 
 
-def _settings(settings: DecodeSettings | None, kw: dict) -> DecodeSettings:
-    """``settings``, or one built from :func:`generate_text`'s decoding keywords ``kw``.
+def _settings(settings: DecodeSettings | None, sampling: Sampling | None, kw: dict) -> DecodeSettings:
+    """``settings``, or one built from :func:`generate_text`'s decoding keywords ``kw`` (and a
+    whole ``sampling``).
 
     Raises:
       ValueError: a keyword out of range, or ``settings`` with a keyword that is not its default.
+      TypeError: an unknown keyword (names the declared sampling fields).
     """
-    if settings is None:
-        return DecodeSettings(**kw)
+    names = {n for n, _, _ in knobs(sampling_mod.Sampling)}
+    unknown = sorted(k for k in kw if k not in names and k not in {f.name for f in dataclasses.fields(DecodeSettings)})
+    if unknown:
+        raise TypeError(f"generate_text() got unknown keyword(s) {unknown}; sampling settings: {sorted(names)}")
     default = DecodeSettings()  # its defaults are generate_text's keyword defaults
+    if sampling is not None:
+        if not isinstance(sampling, sampling_mod.Sampling):
+            raise ValueError(f"sampling must be a specjax.Sampling, got {type(sampling).__name__}")
+        given = sorted(k for k in names if k in kw and kw[k] != getattr(default, k))
+        if given:
+            raise ValueError(f"pass the sampling settings either as sampling= or as keywords, not both "
+                             f"(got sampling and {', '.join(given)})")
+        kw = {k: v for k, v in kw.items() if k not in names}
+        kw["sampling"] = sampling
+    if settings is None:
+        return DecodeSettings.create(**kw)
     given = sorted(k for k, v in kw.items() if v != getattr(default, k))
     if given:
         raise ValueError(f"pass the decoding settings either as settings= or as keywords, not both "
@@ -373,8 +398,9 @@ def _row_result(tok, stop, r, j: int) -> dict:
 def load_pair_config(name_or_path: str) -> dict[str, Any]:
     """Read a target/drafter pair config (TOML): a path, or the name of a shipped config
     (``configs/NAME.toml``). Keys: ``model``, ``draft``, ``gamma``, ``tree_nodes``, ``tree_depth``,
-    ``tree_topk`` (a draft tree instead of ``gamma``: all three together), ``temperature``, ``top_k``,
-    ``top_p``, ``max_new_tokens``, ``dtype`` (a weight format or ``"auto"``), ``draft_dtype``, ``chat``,
+    ``tree_topk`` (a draft tree instead of ``gamma``: all three together), every field of
+    :class:`~specjax.core.sampling.Sampling` (``temperature``, ``top_k``, ``top_p``, ``min_p``, the
+    penalties, ``min_tokens``, ``logit_bias`` as a table), ``max_new_tokens``, ``dtype`` (a weight format or ``"auto"``), ``draft_dtype``, ``chat``,
     ``parse_special``, ``description``.
 
     Raises:
@@ -400,15 +426,19 @@ def load_pair_config(name_or_path: str) -> dict[str, Any]:
         cfg = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"{path}: not valid TOML ({e}); fix the syntax") from None
-    allowed = {"model", "draft", "gamma", "temperature", "top_k", "top_p", "max_new_tokens", "dtype",
-               "draft_dtype", "chat", "parse_special", "description", *TREE_KEYS}
+    types = _config_types()
+    allowed = set(types)
     unknown = set(cfg) - allowed
     if unknown:
         raise ValueError(f"config {name_or_path!r}: unknown key(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
     for key, value in cfg.items():
-        check = _CONFIG_TYPES[key]
+        check = types[key]
         if not check[0](value):
             raise ValueError(f"{path}: key {key!r} must be {check[1]}, got {type(value).__name__} {value!r}")
+    try:  # the declared ranges of the sampling keys
+        sampling_mod.Sampling(**{k: cfg[k] for k in allowed & set(cfg) if k in {n for n, _, _ in knobs(sampling_mod.Sampling)}})
+    except SettingError as e:
+        raise ValueError(f"{path}: key {e.name!r}: {e}") from None
     tree = [k for k in TREE_KEYS if k in cfg]
     if tree:
         missing = [k for k in TREE_KEYS if k not in cfg]
@@ -447,9 +477,6 @@ _CONFIG_TYPES = {  # key: (check, expected type as the error says it)
     "model": (lambda v: isinstance(v, str), "a string (a .gguf path, model directory or hub id)"),
     "draft": (_str_or_strs, "a string (none, ngram[:N], default, a drafter path) or a list of them"),
     "gamma": (_gamma_ok, "an integer >= 1, \"auto\", or a list of integers >= 1"),
-    "temperature": (_is_num, "a number >= 0 (0 = greedy)"),
-    "top_k": (_is_int, "an integer >= 0 (0 = off)"),
-    "top_p": (_is_num, "a number in (0, 1]"),
     "max_new_tokens": (_is_int, "an integer >= 1"),
     "dtype": (lambda v: v in (*_DTYPES, "auto"), f"one of {', '.join(_DTYPES)}, auto"),
     "draft_dtype": (lambda v: v in _DTYPES, f"one of {', '.join(_DTYPES)}"),
@@ -458,3 +485,16 @@ _CONFIG_TYPES = {  # key: (check, expected type as the error says it)
     "description": (lambda v: isinstance(v, str), "a string"),
     **{k: (lambda v: _is_int(v) and v >= 1, "an integer >= 1") for k in TREE_KEYS},
 }
+
+
+def _config_types() -> dict:
+    """Every pair-config key: ``{key: (type check, expected type in words)}`` — the fixed keys and
+    one per declared sampling field (:class:`~specjax.core.sampling.Sampling`; a TOML table for
+    ``logit_bias``)."""
+    out = dict(_CONFIG_TYPES)
+    for name, k, _ in knobs(sampling_mod.Sampling):
+        kind = {float: (_is_num, "a number"), int: (_is_int, "an integer"), bool: (lambda v: isinstance(v, bool),
+                "true or false"), str: (lambda v: isinstance(v, str), "a string"),
+                tuple: (lambda v: isinstance(v, dict), "a table {\"id\" = bias}")}[k.kind]
+        out[name] = (kind[0], f"{kind[1]} ({k.expect})")
+    return out

@@ -158,7 +158,7 @@ def test_cli_subprocess_errors(tmp_path):
     assert r.returncode == 2 and r.stdout == ""
     assert "Traceback" not in r.stderr
     errs = [ln for ln in r.stderr.splitlines() if ln.startswith("specjax")]
-    assert errs == ["specjax: error: --top-p must be in (0, 1], got 1.5"], r.stderr
+    assert errs == ["specjax: error: --top-p must be a finite number in (0, 1] (1 = off), got 1.5"], r.stderr
     r = _run_cli("generate", "hello", "--model", str(tmp_path / "absent"))
     assert r.returncode == 2 and "Traceback" not in r.stderr
     errs = [ln for ln in r.stderr.splitlines() if ln.startswith("specjax")]

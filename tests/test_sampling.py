@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from scipy import stats
+from stats_helpers import chi2_pvalue
 
 from specjax.core.sampling import SamplingParams, _inverse_cdf, process_logits, sample
 
@@ -178,7 +178,8 @@ def test_top_k_top_p_match_full_sort_reference(integer_logits):
         checked += 1
         np.testing.assert_array_equal(out[i] > 0, keep & (soft[i] > 0), err_msg=f"row {i}")
         np.testing.assert_allclose(out[i], ref, atol=1e-6, rtol=0, err_msg=f"row {i}")
-    assert checked >= 0.9 * n  # the skipped rows still passed the property check
+    # the skipped rows still passed the property check
+    assert checked >= 0.9 * n, f"only {checked} of {n} rows compared with the reference"
 
 
 def test_large_vocab_top_k_top_p_match_reference():
@@ -190,13 +191,18 @@ def test_large_vocab_top_k_top_p_match_reference():
     top_p = np.array([0.9, 1.0, 1.0, 0.95, 0.5, 0.8, 1.0, 1.0, 0.999], np.float32)
     out = np.asarray(_process(jnp.asarray(logits), jnp.asarray(t), jnp.asarray(top_k), jnp.asarray(top_p)))
     soft = _plain_softmax(jnp.asarray(logits), jnp.asarray(t))
+    checked = []
     for i in range(9):
         _check_filter_properties(soft[i], out[i], int(top_k[i]), float(top_p[i]))
         keep, ref, margin = _reference_filter(soft[i], int(top_k[i]), float(top_p[i]))
         if margin < 1e-6:  # the tail of a 49,152-token softmax is very fine-grained
             continue
-        np.testing.assert_array_equal(out[i] > 0, keep & (soft[i] > 0))
-        np.testing.assert_allclose(out[i], ref, atol=1e-6, rtol=0)
+        checked.append(i)
+        np.testing.assert_array_equal(out[i] > 0, keep & (soft[i] > 0), err_msg=f"row {i}")
+        np.testing.assert_allclose(out[i], ref, atol=1e-6, rtol=0, err_msg=f"row {i}")
+    # every row is compared with the reference today (the smallest top-p margin is 2e-5): at most one
+    # row, and none of the top-k-only rows, may be left to the property check alone
+    assert len(checked) >= 8 and {1, 2, 6} <= set(checked), f"rows compared with the reference: {checked}"
 
 
 def test_changing_settings_does_not_recompile():
@@ -226,7 +232,12 @@ def test_sampling_params_create_and_process():
     assert sp.top_p.dtype == jnp.float32 and sp.top_p.shape == (4,)
     assert sp.batch == 4
     leaves, treedef = jax.tree_util.tree_flatten(sp)
-    assert len(leaves) == 3
+    # one [B] array per declared device field of Sampling, plus the logit bias's ids and values
+    from specjax.core.settings import knobs
+    from specjax.core.sampling import Sampling
+    device = {n for n, k, _ in knobs(Sampling) if k.device}
+    assert set(sp.rows) == device | {"bias_ids", "bias_values"} and len(leaves) == len(device) + 2
+    assert {"min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens"} <= device
     logits = jax.random.normal(jax.random.key(5), (4, 2, 5)) * 2
     out = jax.jit(lambda sp, x: sp.process(x))(sp, logits)
     assert out.shape == (4, 2, 5)
@@ -295,10 +306,8 @@ def test_sample_matches_probs_chi_square(vocab):
         bins = np.minimum((np.cumsum(p[order]) * 20).astype(int), 19)
         obs, exp = np.bincount(bins, counts[order], 20), np.bincount(bins, p[order].astype(np.float64), 20)
     else:
-        obs, exp = counts[p > 0], p[p > 0].astype(np.float64)
-    keep = exp > 0
-    obs, exp = obs[keep], exp[keep] / exp[keep].sum() * n
-    assert stats.chisquare(obs, exp).pvalue > 1e-3
+        obs, exp = counts, p.astype(np.float64)
+    assert chi2_pvalue(obs, exp) > 1e-3  # the shared helper: bins of expectation < 5 merged
 
 
 def test_inverse_cdf_extreme_uniforms_skip_zeros():

@@ -149,7 +149,6 @@ def test_smollm_matches_reference_tokenizer_json(smol):
     """Against transformers' tokenizer for the same GGUF, with the pre-tokenizer of SmolLM2's
     published tokenizer.json (transformers' GGUF conversion ignores 'smollm' and uses plain
     GPT-2 byte-level, which differs e.g. on "a  1")."""
-    pytest.importorskip("transformers")
     from tokenizers import pre_tokenizers
     from transformers import AutoTokenizer
 
@@ -234,3 +233,35 @@ def test_cli_no_parse_special_flag():
     assert resolve(p.parse_args([]))["parse_special"] is True
     assert resolve(p.parse_args(["--no-parse-special"]))["parse_special"] is False
     assert "--no-parse-special" in p.format_help()
+
+
+def test_bench_and_analyze_honour_no_parse_special(default_model, monkeypatch):
+    """``--no-parse-special`` reaches bench's and analyze's tokenization (it used to be accepted and
+    ignored): the flag is passed on, and their prompt encoding honours it."""
+    from specjax.cli import main
+    from specjax.eval import bench, measure
+
+    text = "a <|im_start|> b"
+    assert 1 in measure.prompt_records([text], default_model)[0]["ids"]
+    assert 1 not in measure.prompt_records([text], default_model, parse_special=False)[0]["ids"]
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def capture(name):
+        def f(*a, **k):
+            seen[name] = k.get("parse_special")
+            raise Stop
+        return f
+
+    from specjax.cli import bench as cli_bench
+
+    monkeypatch.setattr(cli_bench, "run_bench", capture("bench"))
+    monkeypatch.setattr(measure, "analyze_pair", capture("analyze"))
+    monkeypatch.setattr("specjax.cli.common.load_target_and_drafter", lambda s: (None, None))
+    for argv in (["bench", "--prompt", "hi"], ["analyze", "--draft", "ngram", "--prompt", "hi"]):
+        monkeypatch.setenv("SPECJAX_DEBUG", "1")
+        with pytest.raises(Stop):
+            main(argv + ["--no-parse-special"])
+    assert seen == {"bench": False, "analyze": False}

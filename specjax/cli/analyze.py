@@ -372,11 +372,11 @@ def run_models(args) -> dict:
     prompts = select_prompts(collect_prompts(args), args.categories, args.limit)
     target, drafter = load_target_and_drafter(s)
     log = (lambda m: print(f"specjax analyze: {m}", file=sys.stderr, flush=True))
-    settings = DecodeSettings(max_new_tokens=s["max_new_tokens"], temperature=s["temperature"], top_k=s["top_k"],
-                              top_p=s["top_p"], seed=args.seed, batch_size=args.batch_size,
+    settings = DecodeSettings(max_new_tokens=s["max_new_tokens"], sampling=s["sampling"], seed=args.seed, batch_size=args.batch_size,
                               ignore_eos=args.ignore_eos)
     rep = measure.analyze_pair(
-        target, drafter, prompts, settings, gamma_max=gmax, gamma=gamma, chat=bool(s["chat"]), repeats=args.repeats,
+        target, drafter, prompts, settings, gamma_max=gmax, gamma=gamma, chat=bool(s["chat"]),
+        parse_special=s["parse_special"], repeats=args.repeats,
         timing_repeats=args.timing_repeats, log=log, progress=not args.no_progress, trees=trees,
     )
     rep["mode"] = "models"

@@ -97,13 +97,13 @@ def cmd_bench(args) -> int:
         auto = {"model": s["model"], "dtype": "auto", "draft_dtype": "float32"}
         resolve_auto_dtype(auto, None if args.no_progress else Progress(), predict=False)
         dtypes = list(dict.fromkeys(auto["dtype"] if d == "auto" else d for d in dtypes))
-    settings = DecodeSettings(max_new_tokens=s["max_new_tokens"], temperature=s["temperature"], top_k=s["top_k"],
-                              top_p=s["top_p"], seed=args.seed, batch_size=args.batch_size,
+    settings = DecodeSettings(max_new_tokens=s["max_new_tokens"], sampling=s["sampling"], seed=args.seed, batch_size=args.batch_size,
                               ignore_eos=args.ignore_eos)
     results = run_bench(
         prompts, settings, model=s["model"], drafts=drafts, gammas=gammas, trees=[s["tree"]] if s["tree"] else [],
         dtypes=dtypes, draft_dtype=draft_dtype,
-        chat=chat, warmup=args.warmup, mesh=args.mesh, progress=not args.no_progress,
+        chat=chat, parse_special=s["parse_special"], warmup=args.warmup, mesh=args.mesh,
+        progress=not args.no_progress,
     )
     results["fidelity"] = format_fidelity(s["model"], dtypes, no_progress=args.no_progress)
     results["config"]["prompts_file"] = os.path.abspath(args.prompts) if args.prompts else None

@@ -153,9 +153,7 @@ def add_model_args(p: argparse.ArgumentParser, multi_draft: bool = False, mesh: 
     p.add_argument("--draft-dtype", default=None, choices=list(DTYPES),
                    help="drafter weight format (default: the target's)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="new tokens per prompt (default 128)")
-    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0 = off)")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1] (1 = off)")
+    add_knob_args(p, sampling_class())
     p.add_argument("--seed", type=int, default=0, help="request seed, an integer in [0, 2**64) (prompt i uses fold_in(key(seed), i); default 0)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="wrap prompts in the model's chat template (generate: on when the model has one; "
@@ -167,6 +165,41 @@ def add_model_args(p: argparse.ArgumentParser, multi_draft: bool = False, mesh: 
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS (fixed-length benchmarks)")
     if mesh:
         p.add_argument("--mesh", default=None, help="device mesh, e.g. data=2,model=4 (default: one device)")
+
+
+def sampling_class():
+    """THE declaration of the sampling settings (:class:`specjax.core.sampling.Sampling`), looked up
+    when used: flags, config keys and checks all follow it."""
+    from specjax.core import sampling
+
+    return sampling.Sampling
+
+
+def add_knob_args(p: argparse.ArgumentParser, cls) -> None:
+    """One flag ``--name-with-dashes`` per declared field of a settings class that is a flag
+    (:func:`specjax.core.settings.knob`): its type, its help with the default; ``None`` when not
+    given (so a pair config's value applies)."""
+    from specjax.core.settings import knobs
+
+    for name, k, default in knobs(cls):
+        if k.flag:
+            p.add_argument("--" + name.replace("_", "-"), type=k.kind, default=None,
+                           help=f"{k.help} (default {default})")
+
+
+def sampling_of(s: dict):
+    """The :class:`~specjax.core.sampling.Sampling` of resolved settings ``s`` (:func:`resolve`).
+
+    Raises UsageError ``--flag must be …`` for a value out of its declared range."""
+    from specjax.core.settings import SettingError, knobs
+
+    cls = sampling_class()
+    try:
+        return cls(**{n: s[n] for n, _, _ in knobs(cls) if n in s})
+    except SettingError as e:
+        msg = str(e)
+        flag = "--" + e.name.replace("_", "-")
+        raise UsageError(flag + msg[len(e.name):] if msg.startswith(e.name) else f"{flag}: {msg}") from None
 
 
 TREE_FLAGS = ("tree_nodes", "tree_depth", "tree_topk")
@@ -219,14 +252,15 @@ def resolve(args, default_draft=None, need_draft: str | None = None, tree_with_g
         "dtype": pick("dtype", "float32"),
         "draft_dtype": pick("draft_dtype", None),
         "max_new_tokens": pick("max_new_tokens", 128),
-        "temperature": pick("temperature", 0.0),
-        "top_k": pick("top_k", 0),
-        "top_p": pick("top_p", 1.0),
         "chat": pick("chat", None),  # None: the command's default (generate: the model's template if any)
         "parse_special": bool(pick("parse_special", True)),
         # given by the user (flag or config), not the default: only then is a cap worth a note
         "max_new_tokens_given": getattr(args, "max_new_tokens", None) is not None or "max_new_tokens" in cfg,
     }
+    from specjax.core.settings import knobs
+
+    for name, _, default in knobs(sampling_class()):  # every declared sampling field
+        s[name] = pick(name, default)
     if s["draft_dtype"] is not None and getattr(args, "draft_dtype", None) is not None \
             and s["draft"] in (None, "none", [], ["none"]) and not default_draft:
         note(f"--draft-dtype {s['draft_dtype']} has no effect without a drafter (add --draft default, ngram or a path)")
@@ -278,24 +312,12 @@ def _check_tree(args, s: dict, tree_with_gamma: bool) -> None:
                                  "directory (or use --tree-topk 1)")
 
 
-def _finite(name: str, v) -> None:
-    if v != v or v in (float("inf"), float("-inf")):
-        raise UsageError(f"{name} must be a finite number, got {v}")
-
-
 def _check_settings(args, s: dict) -> None:
     from specjax.api import check_draft_spec
 
-    _finite("--temperature", s["temperature"])
-    _finite("--top-p", s["top_p"])
     if s["max_new_tokens"] < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {s['max_new_tokens']}")
-    if s["temperature"] < 0:
-        raise UsageError(f"--temperature must be >= 0 (0 = greedy), got {s['temperature']}")
-    if not 0 < s["top_p"] <= 1:
-        raise UsageError(f"--top-p must be in (0, 1], got {s['top_p']}")
-    if s["top_k"] < 0:
-        raise UsageError(f"--top-k must be >= 0 (0 = off), got {s['top_k']}")
+    s["sampling"] = sampling_of(s)
     if getattr(args, "batch_size", 1) < 1:
         raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
     from specjax.runtime.decoder import SEED_LIMIT

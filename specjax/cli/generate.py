@@ -124,8 +124,7 @@ def cmd_generate(args) -> int:
         target, [p["prompt"] for p in prompts], drafter=drafter, gamma=gamma,
         **({} if tree is None or drafter is None else
            dict(tree_nodes=tree.nodes, tree_depth=tree.depth, tree_topk=tree.topk)),
-        max_new_tokens=s["max_new_tokens"], temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"],
-        seed=args.seed, chat=chat, batch_size=args.batch_size, ignore_eos=args.ignore_eos,
+        max_new_tokens=s["max_new_tokens"], sampling=s["sampling"], seed=args.seed, chat=chat, batch_size=args.batch_size, ignore_eos=args.ignore_eos,
         stop=args.stop, logprobs=args.logprobs, on_text=on_text if stream else None, on_done=on_done,
         progress=progress, parse_special=s["parse_special"],
     )
@@ -145,8 +144,7 @@ def auto_gamma(target, drafter, prompts, s: dict, args, chat: bool, progress) ->
 
     texts = [p["prompt"] for p in prompts[: measure.AUTO_PROMPTS]]
     recs = [{"ids": ids} for ids in encode_prompts(target, texts, chat, s["parse_special"])]
-    settings = DecodeSettings(max_new_tokens=s["max_new_tokens"], temperature=s["temperature"], top_k=s["top_k"],
-                              top_p=s["top_p"], seed=args.seed, ignore_eos=args.ignore_eos)
+    settings = DecodeSettings(max_new_tokens=s["max_new_tokens"], sampling=s["sampling"], seed=args.seed, ignore_eos=args.ignore_eos)
     gamma, rep = measure.recommend(target, drafter, recs, settings, cache=hostcache.default_cache(),
                                    progress=progress)
     g = gamma - 1

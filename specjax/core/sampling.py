@@ -4,8 +4,14 @@ The SAME :func:`process_logits` makes the target's ``p`` and the drafter's ``q``
 (docs/design.md, "q is what was sampled from"), so speculative sampling reproduces
 exactly the distribution this module defines.
 
-Sampling settings (temperature, top-k, top-p) are *traced* per-row arrays, not
-static configuration: a new temperature does not recompile anything.
+The sampling settings are declared once, in :class:`Sampling` (each field's default, range
+and help); :class:`SamplingParams` carries them to the device as *traced* per-row arrays, not
+static configuration: a new temperature or penalty does not recompile anything.
+
+Order of processing (transformers' order, documented in the README): the logit bias, the
+repetition penalty, the frequency and presence penalties and the ``min_tokens`` EOS mask act on
+the raw logits (:func:`penalize`, which needs the token history); then temperature, top-k,
+top-p and min-p (:func:`process_logits`).
 
 No full sort of the vocabulary is done (a 9 × 49,152 sort measured 89 ms on the
 2-core CPU). The top-k / top-p thresholds are found exactly by a bisection over
@@ -25,7 +31,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["process_logits", "sample", "SamplingParams"]
+from specjax.core import settings as knobs_mod
+from specjax.core.settings import SettingError, is_int, is_number, knob
+
+__all__ = ["process_logits", "sample", "Sampling", "SamplingParams", "penalize", "LOGIT_BIAS_SLOTS"]
 
 # int32 view of float32 +inf: every finite non-negative float32 has bits < this.
 _BITS_INF = 0x7F800000
@@ -73,9 +82,10 @@ def _top_p_bits(bits: jax.Array, weights: jax.Array, target: jax.Array) -> jax.A
     return lo
 
 
-def _filter_top_k_top_p(s, top_k, top_p, use_k, use_p):
+def _filter_top_k_top_p(s, top_k, top_p, min_p, use_k, use_p, use_m):
     """``s [..., V]`` probabilities restricted to the top-k set, then the top-p set inside it,
-    renormalized (see :func:`process_logits`; rows with ``use_k``/``use_p`` false are kept)."""
+    then the min-p set, renormalized (see :func:`process_logits`; rows with
+    ``use_k``/``use_p``/``use_m`` false are kept)."""
     vocab = s.shape[-1]
     bits = lax.bitcast_convert_type(s, jnp.int32)  # monotone: s >= 0
 
@@ -93,6 +103,10 @@ def _filter_top_k_top_p(s, top_k, top_p, use_k, use_p):
         return keep & ((bits >= tau[..., None]) | ~use_p[..., None])
 
     keep = lax.cond(jnp.any(use_p), top_p_keep, lambda keep: keep, keep)
+    # min-p: the most likely token is always kept, so the threshold on the kept set's
+    # renormalized probabilities is the same threshold on s
+    s_max = jnp.max(s, axis=-1, keepdims=True)
+    keep = keep & ((s >= min_p[..., None] * s_max) | ~use_m[..., None])
     w = jnp.where(keep, s, 0.0)
     return w / jnp.sum(w, axis=-1, keepdims=True)
 
@@ -102,8 +116,9 @@ def process_logits(
     temperature: Any,
     top_k: Any,
     top_p: Any,
+    min_p: Any = 0.0,
 ) -> jax.Array:
-    """Turn logits into the sampling distribution (temperature, top-k, top-p, greedy).
+    """Turn logits into the sampling distribution (temperature, top-k, top-p, min-p, greedy).
 
     Args:
       logits: float [..., V], any float dtype; computed in float32.
@@ -114,6 +129,8 @@ def process_logits(
         ``>= V`` keeps everything.
       top_p: float, broadcastable to ``logits.shape[:-1]``, valid range (0, 1].
         ``>= 1`` means off.
+      min_p: float, broadcastable to ``logits.shape[:-1]``, valid range [0, 1].
+        ``<= 0`` means off.
 
     Returns:
       float32 [..., V] probabilities summing to 1 over the last axis.
@@ -135,7 +152,10 @@ def process_logits(
         ``{s >= t}`` inside ``K`` whose mass is at least ``top_p`` of the
         renormalized top-k distribution (ties at the threshold all kept; masses
         are float32 sums). Off: ``P = K``.
-      - result ``s_i * [i in P] / sum_{j in P} s_j``.
+      - **min-p** (min_p > 0), applied after top-p (transformers' ``MinPLogitsWarper``):
+        ``M = {i in P : s_i >= min_p * max_j s_j}`` (the most likely token is in P, so this is
+        the rule on P's renormalized probabilities). Off: ``M = P``.
+      - result ``s_i * [i in M] / sum_{j in M} s_j``.
 
     Thresholds are exact float32 values found by bisection over the int32 bit
     patterns of ``s`` (31 masked counts/sums over V each), not by sorting; the
@@ -149,6 +169,7 @@ def process_logits(
     temperature = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), batch_shape)
     top_k = jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), batch_shape)
     top_p = jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), batch_shape)
+    min_p = jnp.broadcast_to(jnp.asarray(min_p, jnp.float32), batch_shape)
 
     greedy = temperature <= 0.0
     safe_t = jnp.where(greedy, 1.0, temperature)
@@ -158,8 +179,10 @@ def process_logits(
 
     use_k = (top_k > 0) & (top_k < vocab) & ~greedy
     use_p = (top_p < 1.0) & ~greedy
+    use_m = (min_p > 0.0) & ~greedy
 
-    s = lax.cond(jnp.any(use_k | use_p), lambda s: _filter_top_k_top_p(s, top_k, top_p, use_k, use_p), lambda s: s, s)
+    s = lax.cond(jnp.any(use_k | use_p | use_m),
+                 lambda s: _filter_top_k_top_p(s, top_k, top_p, min_p, use_k, use_p, use_m), lambda s: s, s)
     one_hot = jax.nn.one_hot(jnp.argmax(z, axis=-1), vocab, dtype=jnp.float32)
     return jnp.where(greedy[..., None], one_hot, s)
 
@@ -246,79 +269,184 @@ def sample(key: jax.Array, probs: jax.Array) -> jax.Array:
     return _inverse_cdf(probs, u)
 
 
-@jax.tree_util.register_dataclass
+LOGIT_BIAS_SLOTS = 300  # ids one row's logit bias may name (OpenAI's limit); a fixed shape: one program
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+def _bias_ok(v) -> bool:
+    return len(v) <= LOGIT_BIAS_SLOTS and all(
+        is_int(i) and 0 <= i <= _INT32_MAX and is_number(b) and -100 <= b <= 100 for i, b in v)
+
+
 @dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """Per-row sampling settings, a pytree of traced arrays (no recompiles).
+class Sampling:
+    """How the next token is chosen: THE declaration of every sampling setting (frozen, hashable).
 
-    Fields (B = batch):
-      temperature: float32 [B], ``>= 0``; 0 means greedy (one-hot argmax).
-      top_k: int32 [B], ``>= 0``; 0 means off.
-      top_p: float32 [B], in (0, 1]; 1 means off.
+    Each field declares its default, its valid range and its one-line help
+    (:func:`specjax.core.settings.knob`); the CLI flags, the pair-config keys, the Python
+    keywords, the per-row device arrays (:class:`SamplingParams`), the ``--gamma auto``
+    measurement cache key and the bench JSON are derived from these fields.
 
-    Build with :meth:`create`, which validates. See :func:`process_logits` for
-    the exact distribution.
+    Order of processing: ``logit_bias`` → ``repetition_penalty`` → ``frequency_penalty`` and
+    ``presence_penalty`` → ``min_tokens`` (:func:`penalize`, on the raw logits) → temperature →
+    top-k → top-p → min-p (:func:`process_logits`). The repetition penalty counts the prompt and
+    the output (as transformers does); presence and frequency count the output only (as OpenAI
+    does). Under speculation the target's p at a draft position is penalized with the committed
+    text plus the round's earlier drafts (a tree node: its path), exactly as autoregressive
+    decoding would have seen it.
+
+    Raises:
+      SettingError (a ValueError): a field out of its range, naming the field and the range.
     """
 
-    temperature: jax.Array
-    top_k: jax.Array
-    top_p: jax.Array
+    temperature: float = knob(0.0, kind=float, check=lambda v: v >= 0, expect="a finite number >= 0 (0 = greedy)",
+                              help="0 = greedy (default)")
+    top_k: int = knob(0, kind=int, check=lambda v: 0 <= v <= _INT32_MAX, expect="an integer >= 0 (0 = off)",
+                      help="keep the k most likely tokens (0 = off)")
+    top_p: float = knob(1.0, kind=float, check=lambda v: 0 < v <= 1, expect="a finite number in (0, 1] (1 = off)",
+                        help="nucleus sampling mass in (0, 1] (1 = off)")
+    min_p: float = knob(0.0, kind=float, check=lambda v: 0 <= v <= 1, expect="a finite number in [0, 1] (0 = off)",
+                        help="drop tokens less likely than P × the most likely one (after top-p; 0 = off)")
+    repetition_penalty: float = knob(
+        1.0, kind=float, check=lambda v: v > 0, expect="a finite number > 0 (1 = off)",
+        help="CTRL/transformers rule: divide positive logits and multiply negative ones by R for every token "
+             "already in the prompt or the output (1 = off)")
+    presence_penalty: float = knob(
+        0.0, kind=float, check=lambda v: -2 <= v <= 2, expect="a finite number in [-2, 2] (0 = off)",
+        help="OpenAI rule: subtract P from the logit of every token generated at least once (0 = off)")
+    frequency_penalty: float = knob(
+        0.0, kind=float, check=lambda v: -2 <= v <= 2, expect="a finite number in [-2, 2] (0 = off)",
+        help="OpenAI rule: subtract F × (times generated) from each token's logit (0 = off)")
+    min_tokens: int = knob(0, kind=int, check=lambda v: 0 <= v <= _INT32_MAX, expect="an integer >= 0 (0 = off)",
+                           help="EOS and stop ids cannot end a row before N new tokens (0 = off)")
+    logit_bias: tuple = knob(
+        (), kind=tuple, check=_bias_ok, flag=False, device=False,
+        expect=f"a map of at most {LOGIT_BIAS_SLOTS} token ids (integers >= 0) to biases in [-100, 100]",
+        help="added to the raw logits of the named ids (Python: a dict {id: bias}; config: a table)")
+
+    def __post_init__(self):
+        bias = self.logit_bias
+        if isinstance(bias, dict):
+            try:
+                bias = tuple(sorted((int(k) if isinstance(k, str) and k.strip().isdigit() else k, v)
+                                    for k, v in bias.items()))
+            except TypeError:
+                raise SettingError("logit_bias", f"logit_bias must be {_bias_expect()}, got {self.logit_bias!r}") from None
+            object.__setattr__(self, "logit_bias", bias)
+        elif isinstance(bias, (list, tuple)) and all(isinstance(x, (list, tuple)) and len(x) == 2 for x in bias):
+            object.__setattr__(self, "logit_bias", tuple((k, v) for k, v in bias))
+        knobs_mod.validate(self)
+
+
+def _bias_expect() -> str:
+    return dict((n, k) for n, k, _ in knobs_mod.knobs(Sampling))["logit_bias"].expect
+
+
+def _row_values(name: str, k, value, batch: int) -> np.ndarray:
+    """One value per row of a device knob, validated against its declared range."""
+    try:
+        arr = np.broadcast_to(np.asarray(value), (batch,))
+    except ValueError:
+        raise SettingError(name, f"{name} must be a scalar or have shape ({batch},) (one value per row), got shape "
+                                 f"{np.shape(value)}") from None
+    for v in arr.tolist():
+        if not (knobs_mod.of_kind(k.kind, v) and k.check(v)):
+            raise SettingError(name, f"{name} must be {k.expect}, got {value!r}")
+    return arr.astype(np.float64)
+
+
+@jax.tree_util.register_pytree_node_class
+class SamplingParams:
+    """Per-row sampling settings on the device: a pytree of traced arrays (no recompiles).
+
+    One float32/int32 ``[B]`` array per device field of :class:`Sampling` (the declaration:
+    ``temperature``, ``top_k``, ``top_p``, ``min_p``, the penalties, ``min_tokens``; read them as
+    attributes), plus the logit bias as ``bias_ids`` int32 ``[B, LOGIT_BIAS_SLOTS]`` (−1 unused)
+    and ``bias_values`` float32 ``[B, LOGIT_BIAS_SLOTS]``.
+
+    Build with :meth:`create` (keywords: scalars or one value per row) or :meth:`from_rows`
+    (one :class:`Sampling` per row), which validate. See :func:`penalize` and
+    :func:`process_logits` for the exact distribution.
+    """
+
+    def __init__(self, rows: dict):
+        self.rows = dict(rows)
+
+    def tree_flatten(self):
+        names = tuple(sorted(self.rows))
+        return tuple(self.rows[n] for n in names), names
 
     @classmethod
-    def create(
-        cls,
-        batch: int,
-        temperature: Any = 0.0,
-        top_k: Any = 0,
-        top_p: Any = 1.0,
-    ) -> "SamplingParams":
-        """Validated per-row settings; scalars or length-``batch`` sequences.
+    def tree_unflatten(cls, names, children):
+        return cls(dict(zip(names, children)))
 
-        Raises ValueError naming the argument and its valid range when
-        temperature < 0 (or not finite), top_k < 0 (or not an integer), or
-        top_p outside (0, 1].
+    def __getattr__(self, name):
+        rows = self.__dict__.get("rows")
+        if rows is not None and name in rows:
+            return rows[name]
+        raise AttributeError(name)
+
+    def __repr__(self):
+        return f"SamplingParams({', '.join(sorted(self.rows))})"
+
+    @classmethod
+    def create(cls, batch: int, temperature: Any = 0.0, top_k: Any = 0, top_p: Any = 1.0,
+               **fields) -> "SamplingParams":
+        """Validated per-row settings: each :class:`Sampling` field as a scalar or a length-``batch``
+        sequence (``logit_bias``: one map ``{id: bias}`` for every row, or a list of one dict per row).
+
+        Raises:
+          SettingError (a ValueError) naming the field and its valid range; an unknown field name.
         """
-        if int(batch) != batch or batch < 1:
+        if isinstance(batch, bool) or int(batch) != batch or batch < 1:
             raise ValueError(f"batch must be a positive integer, got {batch!r}")
         batch = int(batch)
+        given = dict(temperature=temperature, top_k=top_k, top_p=top_p, **fields)
+        declared = {n: (k, d) for n, k, d in knobs_mod.knobs(Sampling)}
+        unknown = sorted(set(given) - set(declared))
+        if unknown:
+            raise TypeError(f"unknown sampling setting(s) {unknown}; declared: {sorted(declared)}")
+        rows = {}
+        for name, (k, default) in declared.items():
+            if not k.device:
+                continue
+            vals = _row_values(name, k, given.get(name, default), batch)
+            rows[name] = jnp.asarray(vals, k.dtype)
+        bias = given.get("logit_bias", ())
+        per_row = isinstance(bias, list) and bool(bias) and all(isinstance(m, dict) for m in bias)
+        if per_row and len(bias) != batch:
+            raise SettingError("logit_bias", f"logit_bias as a list needs one map per row ({batch}), got {len(bias)}")
+        maps = bias if per_row else [bias] * batch
+        ids = np.full((batch, LOGIT_BIAS_SLOTS), -1, np.int32)
+        vals = np.zeros((batch, LOGIT_BIAS_SLOTS), np.float32)
+        for r, m in enumerate(maps):
+            pairs = Sampling(logit_bias=m).logit_bias  # validates
+            for j, (i, v) in enumerate(pairs):
+                ids[r, j], vals[r, j] = i, v
+        rows["bias_ids"] = jnp.asarray(ids)
+        rows["bias_values"] = jnp.asarray(vals)
+        return cls(rows)
 
-        def rows(name, value):
-            arr = np.asarray(value)
-            try:
-                return np.broadcast_to(arr, (batch,))
-            except ValueError:
-                raise ValueError(
-                    f"{name} must be a scalar or have shape ({batch},) (one value "
-                    f"per row), got shape {arr.shape}"
-                ) from None
-
-        t = rows("temperature", temperature).astype(np.float64)
-        if not np.all(np.isfinite(t)) or np.any(t < 0):
-            raise ValueError(
-                f"temperature must be finite and >= 0 (0 means greedy), got {temperature!r}"
-            )
-        k = rows("top_k", top_k)
-        if k.dtype == bool or not np.all(np.isfinite(k.astype(np.float64))) or np.any(
-            k.astype(np.float64) != np.round(k.astype(np.float64))
-        ):
-            raise ValueError(f"top_k must be an integer >= 0 (0 means off), got {top_k!r}")
-        k = k.astype(np.float64)
-        if np.any(k < 0) or np.any(k > np.iinfo(np.int32).max):
-            raise ValueError(f"top_k must be an integer >= 0 (0 means off), got {top_k!r}")
-        p = rows("top_p", top_p).astype(np.float64)
-        if np.any(np.isnan(p)) or np.any(p <= 0) or np.any(p > 1):
-            raise ValueError(
-                f"top_p must be in the range (0, 1] (1 means off), got {top_p!r}"
-            )
-        return cls(
-            temperature=jnp.asarray(t, jnp.float32),
-            top_k=jnp.asarray(k, jnp.int32),
-            top_p=jnp.asarray(p, jnp.float32),
-        )
+    @classmethod
+    def from_rows(cls, settings) -> "SamplingParams":
+        """Per-row settings from one :class:`Sampling` per row (a mixed batch runs one program)."""
+        settings = list(settings)
+        names = [n for n, _, _ in knobs_mod.knobs(Sampling)]
+        cols = {n: [getattr(s, n) for s in settings] for n in names}
+        cols["logit_bias"] = [dict(s.logit_bias) for s in settings]
+        return cls.create(len(settings), **cols)
 
     @property
     def batch(self) -> int:
         return self.temperature.shape[0]
+
+    def with_vocab(self, vocab: int) -> "SamplingParams":
+        """Check the logit-bias ids against the vocabulary. Raises SettingError naming the id."""
+        ids = np.asarray(self.bias_ids)
+        if ids.size and int(ids.max()) >= vocab:
+            raise SettingError("logit_bias", f"logit_bias names token id {int(ids.max())}, outside the vocabulary "
+                                             f"[0, {vocab}); use ids below {vocab}")
+        return self
 
     def process(self, logits: jax.Array) -> jax.Array:
         """:func:`process_logits` with row b's settings on ``logits[b, ...]``.
@@ -326,5 +454,64 @@ class SamplingParams:
         logits: float [B, ..., V] → float32 [B, ..., V].
         """
         extra = (1,) * (jnp.ndim(logits) - 2)
-        r = lambda a: a.reshape(a.shape + extra)
-        return process_logits(logits, r(self.temperature), r(self.top_k), r(self.top_p))
+        r = lambda a: a.reshape(a.shape + extra)  # noqa: E731
+        return process_logits(logits, r(self.temperature), r(self.top_k), r(self.top_p), r(self.min_p))
+
+
+def penalize(logits: jax.Array, sp: SamplingParams, seen: jax.Array, counts: jax.Array, drafts: jax.Array,
+             sees: jax.Array, new_before: jax.Array, stop_ids: jax.Array) -> jax.Array:
+    """The logit bias, the penalties and the ``min_tokens`` mask on the target's raw logits of one
+    call, each position with ITS token history (committed text + the drafts on its path).
+
+    Args (B batch, T positions of the call, S draft tokens of the call, V vocabulary, E stop ids):
+      logits: float [B, T, V] raw logits at the call's positions (any float dtype; float32 out).
+      sp: the rows' :class:`SamplingParams`.
+      seen: bool [B, V], ids present in the prompt or the committed output (repetition penalty).
+      counts: int32 [B, V], occurrences of each id in the committed output (presence, frequency).
+      drafts: int32 [B, S], the call's draft tokens (−1: none).
+      sees: bool [B, T, S], whether position t's history includes draft s (a chain: s < t; a tree:
+        s on the path root → t's node, the node included).
+      new_before: int32 [B, T], new tokens committed before the token position t predicts,
+        counting the drafts on its path (``min_tokens``).
+      stop_ids: int32 [B, E], the ids that end a row (−1 unused), masked while
+        ``new_before < min_tokens``.
+
+    Returns float32 [B, T, V]. With h = the position's history (counts c_i over the output,
+    present_i over prompt + output), per token i, in this order:
+      z_i += bias_i; if present_i: z_i = z_i / R if z_i > 0 else z_i · R (CTRL, Keskar et al. 2019;
+      transformers' ``RepetitionPenaltyLogitsProcessor``); z_i -= F · c_i + P · [c_i > 0] (OpenAI's
+      frequency and presence penalties); z_stop = −inf while new_before < min_tokens. Each part
+      is skipped (``lax.cond``) when no row of the batch uses it, so plain rows cost nothing.
+    Draft counts are exact integers (0/1 products summed in float32).
+    """
+    z = jnp.asarray(logits).astype(jnp.float32)
+    b, t, vocab = z.shape
+    rows = jnp.arange(b)[:, None]
+
+    def add_bias(z):
+        ids = jnp.where(sp.bias_ids >= 0, sp.bias_ids, vocab)
+        bias = jnp.zeros((b, vocab), jnp.float32).at[rows, ids].add(sp.bias_values, mode="drop")
+        return z + bias[:, None, :]
+
+    z = lax.cond(jnp.any(sp.bias_ids >= 0), add_bias, lambda z: z, z)
+    rep, pres, freq = sp.repetition_penalty, sp.presence_penalty, sp.frequency_penalty
+    use = (rep != 1.0) | (pres != 0.0) | (freq != 0.0)
+
+    def penalties(z):
+        onehot = jax.nn.one_hot(drafts, vocab, dtype=jnp.float32)  # −1 → a zero row
+        extra = jnp.einsum("bts,bsv->btv", sees.astype(jnp.float32), onehot, precision=lax.Precision.HIGHEST)
+        count = counts[:, None, :].astype(jnp.float32) + extra  # [B, T, V]
+        present = seen[:, None, :] | (extra > 0)
+        r = rep[:, None, None]
+        z = jnp.where(present, jnp.where(z > 0, z / r, z * r), z)
+        return z - freq[:, None, None] * count - pres[:, None, None] * (count > 0).astype(jnp.float32)
+
+    z = lax.cond(jnp.any(use), penalties, lambda z: z, z)
+    early = new_before < sp.min_tokens[:, None]  # [B, T]
+
+    def mask_stop(z):
+        ids = jnp.where(stop_ids >= 0, stop_ids, vocab)  # [B, E]
+        is_stop = jnp.zeros((b, vocab), bool).at[rows, ids].set(True, mode="drop")
+        return jnp.where(early[:, :, None] & is_stop[:, None, :], -jnp.inf, z)
+
+    return lax.cond(jnp.any(early), mask_stop, lambda z: z, z)

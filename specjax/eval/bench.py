@@ -46,6 +46,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from specjax.runtime.stats import RunStats
+from specjax.core.settings import as_dict
 from specjax.runtime.settings import DecodeSettings
 
 BANDWIDTH_FORMULA = (
@@ -412,6 +413,7 @@ def run_bench(
     trees: Sequence = (),
     dtypes: Sequence[str] = ("float32",),
     draft_dtype: str | None = None,
+    parse_special: bool = True,
     chat: bool = True,
     warmup: int = 1,
     mesh=None,
@@ -443,6 +445,7 @@ def run_bench(
     started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     t_all = time.perf_counter()
     run = _Run(prompts, settings, make_batches(prompts, settings.batch_size or len(prompts)))
+    run.parse_special = parse_special
     # disable=None: tqdm shows the bar only when stderr is a terminal (no \r lines in logs)
     bar = tqdm(total=len(run.batches) * len(dtypes) * (1 + len(drafts) * (len(gammas) + len(trees))), desc="bench",
                unit="batch",
@@ -471,6 +474,8 @@ def run_bench(
 class _Run:
     """The state of one :func:`run_bench`: methods, batch records and per-prompt records."""
 
+    parse_special: bool = True  # how the prompt texts are tokenized (api.encode_prompts)
+
     def __init__(self, prompts: list[dict], settings: DecodeSettings, batches: list[list[int]]):
         from specjax.runtime.decoder import request_keys
 
@@ -496,7 +501,7 @@ class _Run:
 
         target = load_model(model, dtype=dtype)
         self.model_name = target.name
-        ids = encode_prompts(target, [p["prompt"] for p in self.prompts], chat)
+        ids = encode_prompts(target, [p["prompt"] for p in self.prompts], chat, parse_special=self.parse_special)
         methods = self._methods(target, dtype, ddtype, drafts, gammas, trees, multi, mesh)
         for s, dec, _ in methods:  # warm-up: compile + first runs on the first batch, untimed
             for _ in range(max(0, warmup)):
@@ -549,7 +554,7 @@ class _Run:
         idx = self.batches[bi]
         st = self.settings
         t0 = time.perf_counter()
-        res = dec.generate([ids[i] for i in idx], max_new_tokens=st.max_new_tokens, sampling=st.sampling(len(idx)),
+        res = dec.generate([ids[i] for i in idx], max_new_tokens=st.max_new_tokens, sampling=st.params(len(idx)),
                            keys=self.keys[np.asarray(idx)], eos_ids=st.eos_ids())
         return res, time.perf_counter() - t0
 
@@ -599,13 +604,15 @@ def _bench_config(prompts, settings: DecodeSettings, run: _Run, base: dict, **kw
         "dtypes": dtypes,
         "dtype": dtypes[0] if len(dtypes) == 1 else dtypes,
         "draft_dtype": kw["draft_dtype"],
-        "temperature": settings.temperature,
+        "temperature": settings.temperature,  # (kept at the top level: documented before "sampling")
         "top_k": settings.top_k,
         "top_p": settings.top_p,
+        "sampling": as_dict(settings.sampling),  # every declared sampling field
         "seed": settings.seed,
         "batch_size": settings.batch_size,
         "max_new_tokens": settings.max_new_tokens,
         "chat": kw["chat"],
+        "parse_special": run.parse_special,
         "ignore_eos": settings.ignore_eos,
         "warmup": kw["warmup"],
         "num_prompts": len(prompts),

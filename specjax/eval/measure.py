@@ -36,6 +36,7 @@ import numpy as np
 from specjax.eval.hostcache import cached_or_measured
 from specjax.core.drafting import DraftContext
 from specjax.core.sampling import SamplingParams
+from specjax.core.settings import as_dict
 from specjax.drafters.model import ModelDrafter, fit_vocab
 from specjax.drafters.ngram import NgramDrafter
 from specjax.eval import theory as analysis
@@ -80,9 +81,10 @@ COST_METHOD = (
 
 
 # --------------------------------------------------------------------------- prompts
-def prompt_records(prompts, target=None, chat: bool = False) -> list[dict]:
+def prompt_records(prompts, target=None, chat: bool = False, parse_special: bool = True) -> list[dict]:
     """Normalise prompts to ``{"ids", "category", "question_id"}`` (text encoded with
-    ``target``'s tokenizer, with its chat template when ``chat``)."""
+    ``target``'s tokenizer, with its chat template when ``chat``; ``parse_special``: see
+    :func:`specjax.api.encode_prompts`)."""
     from specjax.api import encode_prompts
 
     recs = []
@@ -97,7 +99,7 @@ def prompt_records(prompts, target=None, chat: bool = False) -> list[dict]:
         else:
             if target is None:
                 raise ValueError("text prompts need the target model (its tokenizer)")
-            rec["ids"] = encode_prompts(target, [p["prompt"]], chat)[0]
+            rec["ids"] = encode_prompts(target, [p["prompt"]], chat, parse_special=parse_special)[0]
         if not rec["ids"]:
             raise ValueError(f"prompt {i} is empty; give at least one token")
         recs.append(rec)
@@ -131,7 +133,9 @@ def _cache_dtype(target) -> Any:
 
 
 def _sampling_kw(settings: DecodeSettings) -> dict:
-    return dict(temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p)
+    """Every declared sampling field of ``settings`` (the measurement cache keys include them all:
+    a new field can never reuse a stale measurement)."""
+    return as_dict(settings.sampling)
 
 
 # --------------------------------------------------------------------------- (a) alpha
@@ -190,8 +194,8 @@ def _betas_generic(drafter, dparams, p, hidden, buf, lengths, sampling, keys, vo
     return jnp.sum(jnp.minimum(p, q), axis=-1), prop.num_valid > 0
 
 
-def _sampling(batch, temperature, top_k, top_p):
-    return SamplingParams.create(batch, temperature, top_k, top_p)
+def _sampling(batch, temperature=0.0, top_k=0, top_p=1.0, **fields):
+    return SamplingParams.create(batch, temperature, top_k, top_p, **fields)
 
 
 def measure_alpha(
@@ -206,6 +210,7 @@ def measure_alpha(
     batch_size: int = 4,
     seed: int = 0,
     progress: bool = False,
+    **sampling: Any,
 ) -> dict:
     """α = E[Σ_x min(p, q)] along the target's own continuation (teacher forcing).
 
@@ -233,7 +238,7 @@ def measure_alpha(
     counts = [len(c) for c in continuations]
     width = _bucket(max(max(counts), 1), 32)
     length = _bucket(max(len(s) for s in seqs) + 1, BUFFER_BUCKET)
-    sp_kw = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    sp_kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, **sampling)
     tok = np.zeros((len(seqs), length), np.int32)
     for i, s in enumerate(seqs):
         tok[i, : len(s)] = s
@@ -358,6 +363,7 @@ def measure_costs(
     warmup: int = 2,
     measure_gammas: Sequence[int] | None = None,
     trees: Sequence[Any] = (),
+    **sampling: Any,
 ) -> dict:
     """Measured c(γ) and v(γ) with the decode loop's shapes (and, for draft trees, c_tree and v(N)).
 
@@ -394,7 +400,7 @@ def measure_costs(
         raise ValueError(f"gammas must be integers >= 1, got {gammas}")
     timed = sorted({int(g) for g in (measure_gammas or gammas)})
     b = int(batch)
-    sp = _sampling(b, temperature, top_k, top_p)
+    sp = _sampling(b, temperature, top_k, top_p, **sampling)
     pos0 = int(prompt_len) + int(max_new_tokens) // 2
     progs = timed_programs(target, drafter, [0, *timed], prompt_len, max_new_tokens)
     calls = {("target", 1): _target_case(target, progs[0], b, 1, pos0, sp)}  # name -> run() -> None
@@ -569,6 +575,7 @@ def analyze_pair(
     *,
     gamma_max: int = 8,
     gamma: int | None = None,
+    parse_special: bool = True,
     chat: bool = False,
     repeats: int = 1,
     timing_repeats: int = 7,
@@ -603,7 +610,7 @@ def analyze_pair(
     """
     settings = DecodeSettings(batch_size=1) if settings is None else settings
     say = log or (lambda *_: None)
-    recs = prompt_records(prompts, target, chat)
+    recs = prompt_records(prompts, target, chat, parse_special)
     sp_kw = _sampling_kw(settings)
     decoders: dict = {}
     say(f"[1/5] target's own output: {len(recs)} prompts × ≤{settings.max_new_tokens} tokens")

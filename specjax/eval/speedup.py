@@ -36,7 +36,7 @@ def _decode_batches(dec: Decoder, prompts, settings: DecodeSettings):
         chunk = [ids[i] for i in rows]
 
         def run(chunk=chunk, lo=rows.start):
-            return dec.generate(chunk, max_new_tokens=settings.max_new_tokens, sampling=settings.sampling(len(chunk)),
+            return dec.generate(chunk, max_new_tokens=settings.max_new_tokens, sampling=settings.params(len(chunk)),
                                 seed=settings.seed, seed_offset=lo, eos_ids=settings.eos_ids())
         yield list(rows), run
 

@@ -188,7 +188,7 @@ class Decoder:
 
     ``mesh``: a ``jax.sharding.Mesh`` with axes ``data``/``model``, a
     :class:`specjax.runtime.sharding.MeshSpec` or ``"data=D,model=M"``; by default the mesh the
-    target's parameters are already sharded on (``MeshSpec.load_model``), else one device.
+    target's parameters are already sharded on (``specjax.io.loading.load_model(..., mesh=)``), else one device.
     On a mesh, parameters (target and drafter, each by its own config), caches and rows
     are sharded (:mod:`specjax.runtime.sharding`); a batch is padded to a multiple of ``data``.
 
@@ -314,6 +314,7 @@ class Decoder:
             prompt[i, : len(p)] = p
         if sampling is None:
             sampling = SamplingParams.create(b)
+        sampling.with_vocab(cfg.vocab_size)
         if keys is None:
             keys = request_keys(seed, b, seed_offset)
         eos_arr = _stop_ids_array(list(cfg.eos_token_ids if eos_ids is None else eos_ids), stop_token_ids, b,

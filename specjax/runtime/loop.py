@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from specjax.core import tree as tree_ops
 from specjax.core.acceptance import verify
 from specjax.core.drafting import DraftContext, TreeProposal, TreeShape
-from specjax.core.sampling import SamplingParams, sample
+from specjax.core.sampling import SamplingParams, penalize, sample
 from specjax.models import llama
 from specjax.models.config import ModelConfig
 
@@ -78,6 +78,10 @@ class DecodeState:
     keys: ``[B, 2]`` uint32 request keys; round r uses ``fold_in(key, r)``.
     round: int32 scalar rounds run so far.
     sampling: per-row sampling settings.
+    seen: ``[B, V]`` bool, ids present in the prompt or the committed output (repetition penalty).
+    counts: ``[B, V]`` int32, occurrences of each id in the committed output (presence and
+      frequency penalties). Both are kept for every program (one program whether or not a row
+      uses penalties; :func:`specjax.core.sampling.penalize` skips them when none does).
     target_cache, drafter_state: KV cache pytrees.
     target_hidden: ``[B, γ+1, F]`` hidden states (or fused features, :attr:`Program.feature_size`) of
       the last target call, or None.
@@ -100,6 +104,8 @@ class DecodeState:
     keys: jax.Array
     round: jax.Array
     sampling: SamplingParams
+    seen: jax.Array
+    counts: jax.Array
     target_cache: llama.KVCache
     drafter_state: Any
     target_hidden: Any
@@ -119,10 +125,12 @@ class Logprobs:
     top_ids: ``[B, L, N]`` int32, the N most likely ids at that position (descending).
     top_logprobs: ``[B, L, N]`` float32, their log-probabilities.
 
-    ``p`` is the target's processed distribution (temperature, top-k, top-p: what the token
-    was sampled from, exactly as in :func:`specjax.core.sampling.process_logits`; filtered ids
-    have ``-inf``); for a greedy row (temperature 0), whose processed distribution is
-    one-hot, the model's raw distribution ``log_softmax(logits)`` instead. In a speculative
+    ``p`` is the target's processed distribution (logit bias, penalties, ``min_tokens``, then
+    temperature, top-k, top-p, min-p: what the token was sampled from, exactly as in
+    :func:`specjax.core.sampling.penalize` and :func:`~specjax.core.sampling.process_logits`;
+    filtered ids have ``-inf``); for a greedy row (temperature 0), whose processed distribution
+    is one-hot, ``log_softmax`` of the penalized logits (the logit bias, penalties and
+    ``min_tokens`` mask applied; no temperature or filters) instead. In a speculative
     round every emitted position's ``p`` comes from the one verify call, so autoregressive
     and speculative decoding report the same values (up to float32 kernel rounding).
     """
@@ -191,6 +199,10 @@ def _start(prog: Program, tparams, dparams, prompt, prompt_lengths, max_new, eos
     pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     # K/V of every prompt slot (slots ≥ length-1 hold stale values that later writes replace)
     h, cache = llama.forward(prog.graphdef, tparams, prompt, pos, cache, prog.cfg, feature_layers=prog.feature_layers)
+    vocab = prog.cfg.vocab_size
+    in_prompt = jnp.arange(p)[None, :] < prompt_lengths[:, None]
+    seen = jnp.zeros((b, vocab), bool).at[jnp.arange(b)[:, None], jnp.where(in_prompt, prompt, vocab)].set(
+        True, mode="drop")
     cache = dataclasses.replace(cache, lengths=prompt_lengths - 1)
     # Feature-level drafters read the target's hidden states of the prompt ([B, P, D]).
     ctx = DraftContext(tokens, prompt_lengths, sampling, h, jnp.zeros((b,), jnp.int32))
@@ -208,6 +220,8 @@ def _start(prog: Program, tparams, dparams, prompt, prompt_lengths, max_new, eos
         keys=keys,
         round=jnp.int32(0),
         sampling=sampling,
+        seen=seen,
+        counts=jnp.zeros((b, vocab), jnp.int32),
         target_cache=cache,
         drafter_state=dstate,
         target_hidden=hidden,
@@ -235,12 +249,30 @@ def _target_step(prog, tparams, st: DecodeState, inputs, with_hidden):
     measured on the default model in int8, the first query of a 2-token causal call at position
     91 of a Spec-Bench prompt got logits 2.4 away from the one-token call's, and greedy
     speculative decoding with the shipped drafter diverged from autoregressive decoding on 5 of 18
-    evaluation prompts (tests/test_batch_invariance.py has that prompt)."""
-    t = inputs.shape[1]
+    evaluation prompts (tests/test_batch_invariance.py has that prompt).
+
+    Returns ``(p, z, cache, hidden)``: ``z [B, T, V]`` the logits penalized with each position's
+    history (the committed text + ``inputs[:, 1:t+1]``, :func:`penalized`), ``p`` their processed
+    distribution."""
+    b, t = inputs.shape
     pos = (st.lengths - 1)[:, None] + jnp.arange(t, dtype=jnp.int32)
+    mask = verification_mask(b, t)
     out = llama.apply(prog.graphdef, tparams, inputs, pos, st.target_cache, prog.cfg, return_hidden=with_hidden,
-                      tree_mask=verification_mask(inputs.shape[0], t), feature_layers=prog.feature_layers)
-    return st.sampling.process(out.logits), out.logits, out.cache, out.hidden
+                      tree_mask=mask, feature_layers=prog.feature_layers)
+    sees = jnp.ones((b, 1, 0), bool) if mask is None else mask[:, :, 1:]
+    z = penalized(st, out.logits, inputs[:, 1:], sees, jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)))
+    return st.sampling.process(z), z, out.cache, out.hidden
+
+
+def penalized(st: DecodeState, logits, drafts, sees, depth):
+    """The target's logits ``[B, T, V]`` of one call with the logit bias, penalties and
+    ``min_tokens`` mask of each position's history (:func:`specjax.core.sampling.penalize`):
+    the committed text (``st.seen``, ``st.counts``) plus the call's drafts ``drafts [B, S]`` that
+    position t sees (``sees [B, T, S]``: a chain's earlier drafts, a tree node's path); ``depth
+    [B, T]`` int32 = drafts on position t's path (new tokens before the token it predicts =
+    ``new_tokens + depth``). Exactly what autoregressive decoding sees at that position."""
+    return penalize(logits, st.sampling, st.seen, st.counts, drafts, sees,
+                    st.stats.new_tokens[:, None] + depth, st.eos)
 
 
 def _emitted_logprobs(prog: Program, sampling: SamplingParams, p, logits, chunk, width: int):
@@ -278,6 +310,15 @@ def _commit(st: DecodeState, chunk, count):
     new = st.stats.new_tokens + count
     done = st.done | (active & has_eos) | (new >= st.max_new)
     return tokens, lengths, new, done, count
+
+
+def _history(st: DecodeState, chunk, count):
+    """``(seen, counts)`` with ``chunk[b, :count[b]]`` committed (the penalties' token history)."""
+    vocab = st.counts.shape[1]
+    ids = jnp.where(jnp.arange(chunk.shape[1])[None, :] < count[:, None], chunk, vocab)
+    rows = jnp.arange(chunk.shape[0])[:, None]
+    counts = st.counts.at[rows, ids].add(1, mode="drop")
+    return st.seen.at[rows, ids].set(True, mode="drop"), counts
 
 
 def _write_rows(buf, values, starts):
@@ -366,6 +407,7 @@ def _finish_round(prog: Program, st: DecodeState, cache, n, chunk, allowed, reje
     emitted tokens' log-probabilities ``lps`` (or ``None``), set the cache's committed length and
     return the next state."""
     tokens, lengths, new, done, count = _commit(st, chunk, n + 1)
+    seen, counts = _history(st, chunk, count)
     stats, emit_info, emit_round = _count(prog, st, n, allowed, count, new, rejected)
     logprobs = st.logprobs
     if lps is not None:
@@ -373,7 +415,7 @@ def _finish_round(prog: Program, st: DecodeState, cache, n, chunk, allowed, reje
                               zip((logprobs.token, logprobs.top_ids, logprobs.top_logprobs), lps)))
     cache = dataclasses.replace(cache, lengths=lengths - 1)
     return dataclasses.replace(
-        st, tokens=tokens, lengths=lengths, done=done, round=st.round + 1, target_cache=cache,
+        st, tokens=tokens, lengths=lengths, done=done, round=st.round + 1, target_cache=cache, seen=seen, counts=counts,
         drafter_state=dstate, target_hidden=hidden, last_accepted=n, stats=stats,
         emit_round=emit_round, emit_info=emit_info, logprobs=logprobs,
     )
@@ -479,10 +521,12 @@ def _tree_round(prog: Program, tparams, dparams, st: DecodeState) -> DecodeState
 
     def spec(st, dstate):
         inputs = jnp.concatenate([last, tree.tokens], axis=1)  # [B, N+1]
+        mask = tree_ops.block_attention_mask(tree)  # [B, N+1, N+1]: a node sees its path
         out = llama.apply(prog.graphdef, tparams, inputs, tree_ops.positions(tree, st.lengths), st.target_cache,
-                          prog.cfg, return_hidden=True, tree_mask=tree_ops.block_attention_mask(tree),
-                          feature_layers=prog.feature_layers)
-        p = st.sampling.process(out.logits)  # [B, N+1, V]
+                          prog.cfg, return_hidden=True, tree_mask=mask, feature_layers=prog.feature_layers)
+        depth = jnp.concatenate([zeros[:, None], tree.depth], axis=1)
+        z = penalized(st, out.logits, jnp.where(tree.valid, tree.tokens, -1), mask[:, :, 1:], depth)
+        p = st.sampling.process(z)  # [B, N+1, V]
         acc = tree_ops.verify_tree(tree, p, u, res_keys, prop.scheme)
         n, path = acc.n, acc.path
         drafts = jnp.maximum(tree_ops.path_tokens(tree, path), 0)  # [B, D]
@@ -496,7 +540,7 @@ def _tree_round(prog: Program, tparams, dparams, st: DecodeState) -> DecodeState
         lps = None
         if prog.logprobs >= 0:
             gather = lambda x: jnp.take_along_axis(x, rows[..., None], axis=1)  # noqa: E731
-            lps = logprobs_of(gather(p), gather(out.logits), chunk)
+            lps = logprobs_of(gather(p), gather(z), chunk)
         return cache, n, chunk, offered, rejected, dstate, hidden, lps
 
     def plain(st, dstate):  # no row has a valid node: a one-token step (as the chain's no_match)
