@@ -14,7 +14,7 @@ import os
 import tomllib
 from typing import Any, Sequence
 
-from specjax.core.drafting import MAX_NGRAM, TreeShape
+from specjax.core.drafting import TreeShape
 from specjax.core import sampling as sampling_mod
 from specjax.core.sampling import Sampling  # (annotations; code reads sampling_mod.Sampling: the declaration)
 from specjax.core.settings import SettingError, knobs
@@ -22,50 +22,35 @@ from specjax.models.config import CheckpointError
 from specjax.runtime.decoder import Decoder
 from specjax.runtime.settings import DecodeSettings
 from specjax.runtime.stats import RunStats
+from specjax.drafters import registry
 from specjax.drafters.model import ModelDrafter, check_vocab_compatible
-from specjax.drafters.ngram import NgramDrafter
+from specjax.drafters.registry import DRAFT_CHOICES  # noqa: F401  (the accepted --draft values, in words)
 from specjax.io.files import check_safetensors, read_json, read_utf8
 from specjax.io.loading import Model, load_model
 
-DRAFT_CHOICES = "none, ngram[:N], default, or a drafter PATH_OR_ID"
-
 
 def check_draft_spec(spec: str | None) -> None:
-    """Validate a ``--draft`` value without loading anything (before the target loads): for a
-    drafter directory also its ``drafter.json`` / ``config.json`` (valid JSON) and its
-    ``*.safetensors`` files (complete, from their headers; no tensor is read).
+    """Validate a ``--draft`` value without loading anything (before the target loads): its kind's
+    check (:mod:`specjax.drafters.registry`), and for a drafter directory also its JSON files
+    (``drafter.json`` / ``config.json``: valid JSON) and its ``*.safetensors`` files (complete,
+    from their headers; no tensor is read).
 
     Raises:
       ValueError: an unknown spec, an n-gram size outside [1, ``MAX_NGRAM``], a drafter path that
         does not exist, or a drafter directory with a broken JSON file or a truncated weights file.
     """
-    if spec is None or spec in ("none", "default"):
-        return
-    if not isinstance(spec, str):
-        raise ValueError(f"--draft must be a string ({DRAFT_CHOICES}), got {spec!r}")
-    if spec == "ngram" or spec.startswith("ngram:"):
-        n = spec.split(":", 1)[1] if ":" in spec else "3"
-        if not n.isdigit() or int(n) < 1:
-            raise ValueError(f"--draft {spec!r}: the n-gram size must be an integer >= 1, e.g. ngram:3")
-        if int(n) > MAX_NGRAM:
-            raise ValueError(f"--draft {spec!r}: the n-gram size must be <= {MAX_NGRAM}; use ngram:{MAX_NGRAM} or "
-                             "less (e.g. ngram:3, the default)")
-        return
-    path = os.path.expanduser(spec)
-    if os.path.isdir(path):
-        if not any(os.path.isfile(os.path.join(path, f)) for f in ("config.json", "drafter.json")):
-            raise ValueError(f"--draft {spec!r}: the directory has no config.json (a draft model) or drafter.json "
-                             f"(a drafter from specjax distill); use {DRAFT_CHOICES}")
-        _check_drafter_files(spec, path)
-        return
-    if os.path.exists(path):
-        if not path.endswith(".gguf"):
-            raise ValueError(f"--draft {spec!r}: not a .gguf file or a checkpoint directory; use {DRAFT_CHOICES}")
-        return
-    if spec.endswith(".gguf") or spec.startswith((".", "/", "~")) or spec.count("/") > 1:
-        raise ValueError(f"--draft {spec!r}: no such file or directory; use {DRAFT_CHOICES}")
-    if spec.count("/") != 1:
-        raise ValueError(f"unknown --draft value {spec!r}; use {DRAFT_CHOICES}")
+    _checked_kind(spec)
+
+
+def _checked_kind(spec):
+    """:func:`check_draft_spec`, returning the value's :class:`~specjax.drafters.registry.DrafterKind`
+    (``None``: no drafter)."""
+    kind = registry.check_spec(spec)
+    if kind is not None and kind.marker is not None:
+        path = os.path.expanduser(spec)
+        if os.path.isdir(path):
+            _check_drafter_files(spec, path)
+    return kind
 
 
 def _check_drafter_files(spec: str, path: str) -> None:
@@ -74,7 +59,7 @@ def _check_drafter_files(spec: str, path: str) -> None:
     fix = ("re-download or re-copy the drafter, or write it again (a drafter of specjax distill: "
            "specjax distill --out RUN --resume --export-only)")
     try:
-        for name in ("drafter.json", "config.json"):
+        for name in registry.marker_files():
             f = os.path.join(path, name)
             if os.path.isfile(f):
                 read_json(f, ValueError, fix)
@@ -88,16 +73,30 @@ def _check_drafter_files(spec: str, path: str) -> None:
 def draft_spec_proposes_trees(spec: str | None) -> bool:
     """Whether the drafter of a ``--draft`` value proposes trees of any top-k (n-gram, the shipped
     drafter, an EAGLE drafter directory with ``drafter.json``); a draft model proposes chains
-    only (trees of top-k 1). Reads no weights."""
-    if spec is None or spec == "none":
-        return False
-    if spec in ("default", "ngram") or spec.startswith("ngram:"):
-        return True
-    return os.path.isfile(os.path.join(os.path.expanduser(spec), "drafter.json"))
+    only (trees of top-k 1). Reads no weights (:func:`specjax.drafters.registry.proposes_trees`)."""
+    return registry.proposes_trees(spec)
+
+
+def _load_shipped(spec: str, target: Model, dtype: str):
+    """The ``default`` kind: the drafter shipped for the default model."""
+    from specjax.io import shipped
+
+    return shipped.load_default_drafter(target, dtype=dtype)
+
+
+def _load_draft_model(spec: str, target: Model, dtype: str) -> ModelDrafter:
+    """The ``model`` kind: a checkpoint path or hub id with the target's tokenizer."""
+    dm = load_model(spec, dtype=dtype)
+    check_vocab_compatible(target.tokenizer, dm.tokenizer, target.config.vocab_size, dm.config.vocab_size)
+    return ModelDrafter.from_model(dm, name=os.path.basename(os.path.normpath(spec)))
+
+
+# the loaders of the kinds whose loading needs specjax.io (a later layer than the registry's)
+_IO_LOADERS = {"default": _load_shipped, "model": _load_draft_model}
 
 
 def load_drafter(spec: str | None, target: Model, dtype: str = "float32"):
-    """Build a drafter from a ``--draft`` value.
+    """Build a drafter from a ``--draft`` value (its kind: :mod:`specjax.drafters.registry`).
 
     Args:
       spec: ``None``/``"none"`` (no drafter), ``"ngram"`` or ``"ngram:N"`` (prompt lookup,
@@ -110,23 +109,11 @@ def load_drafter(spec: str | None, target: Model, dtype: str = "float32"):
       ValueError: an unknown spec (names the accepted values).
       CheckpointError: a drafter whose tokenizer differs, or real tokens beyond the target vocab.
     """
-    check_draft_spec(spec)
-    if spec is None or spec == "none":
+    kind = _checked_kind(spec)
+    if kind is None:
         return None
-    if spec == "ngram" or spec.startswith("ngram:"):
-        return NgramDrafter(max_ngram=int(spec.split(":", 1)[1] if ":" in spec else "3"))
-    if spec == "default":
-        from specjax.io import shipped
-
-        return shipped.load_default_drafter(target, dtype=dtype)
-    path = os.path.expanduser(spec)
-    if os.path.isfile(os.path.join(path, "drafter.json")):  # a feature drafter from `specjax distill`
-        from specjax.drafters import eagle
-
-        return eagle.load_drafter(path, target, dtype=dtype, name=os.path.basename(os.path.normpath(path)))
-    dm = load_model(spec, dtype=dtype)
-    check_vocab_compatible(target.tokenizer, dm.tokenizer, target.config.vocab_size, dm.config.vocab_size)
-    return ModelDrafter.from_model(dm, name=os.path.basename(os.path.normpath(spec)))
+    load = kind.load if kind.load is not None else _IO_LOADERS[kind.name]
+    return load(spec, target, dtype)
 
 
 def encode_prompts(target: Model, texts: Sequence[str], chat: bool, parse_special: bool = True) -> list[list[int]]:

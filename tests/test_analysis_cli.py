@@ -184,6 +184,7 @@ def test_gate_mean_accepted_tokens_matches_expected_tokens(beta_tenths):
 def test_measure_alpha_generic_drafter_path_matches_model_path():
     """The per-position ``propose`` path (used for n-gram and custom drafters) gives the
     same β as the teacher-forced drafter forward, and n-gram β is p(proposal)."""
+    from specjax.core.drafting import Drafter
     from specjax.drafters.ngram import NgramDrafter
 
     target = tiny_model(seed=0, scale=20.0)
@@ -194,7 +195,7 @@ def test_measure_alpha_generic_drafter_path_matches_model_path():
     fast = measure.measure_alpha(target, drafter, recs, conts, temperature=0.7)
 
     @dataclasses.dataclass(frozen=True, eq=False)
-    class Generic:  # same drafter, but not a ModelDrafter instance: forces the generic path
+    class Generic(Drafter):  # same drafter, but no causal_model declared: forces the generic path
         inner: ModelDrafter
         name: str = "generic"
 

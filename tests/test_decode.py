@@ -42,7 +42,7 @@ from conftest import tiny_model
 from stats_helpers import chi2_test
 
 from specjax.runtime.decoder import Decoder, request_keys
-from specjax.core.drafting import Proposal
+from specjax.core.drafting import Drafter, Proposal
 from specjax.drafters.model import ModelDrafter
 from specjax.drafters.ngram import NgramDrafter
 from specjax.io.loading import truncate_model
@@ -246,7 +246,7 @@ def test_tiny_ngram_greedy_matches_autoregressive(tiny):
 
 # --------------------------------------------------------------------------- exact stats
 @dataclasses.dataclass(frozen=True, eq=False)
-class ScriptedDrafter:
+class ScriptedDrafter(Drafter):
     """Proposes the greedy reference continuation, with chosen positions made wrong.
 
     params: ``ref [B, R]`` int32 — the row's full greedy sequence (prompt + reference) by
@@ -518,7 +518,7 @@ ALPHA = 1e-3  # false-failure rate of each chi-square gate under a correct imple
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class ReportingDrafter:
+class ReportingDrafter(Drafter):
     """Wraps a drafter. ``params = {"inner": inner params, "misreport": bool}``: False passes
     the inner proposal through unchanged; True (the negative control) reports a uniform q
     while the tokens are still drawn from the inner q. One compiled program for both."""

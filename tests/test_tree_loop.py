@@ -42,7 +42,7 @@ from test_decode import (  # helpers and the small-vocabulary fixture (no test f
 )
 from test_bench import tiny_dir  # noqa: F401  (a fixture: a tiny saved model with a tokenizer)
 from specjax.core import tree as T
-from specjax.core.drafting import TreeProposal, TreeShape
+from specjax.core.drafting import Drafter, TreeProposal, TreeShape
 from specjax.core.sampling import SamplingParams, process_logits
 from specjax.drafters import eagle
 from specjax.drafters.model import ModelDrafter
@@ -110,7 +110,7 @@ def tree_structure(n, d, k, seed=0):
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class OracleTreeDrafter:
+class OracleTreeDrafter(Drafter):
     """A tree of a fixed random structure whose tokens are arbitrary except on the path to one
     node, which holds the row's true continuation ``params["ref"][b, L:]`` up to a cut depth;
     node and cut follow from the committed length (so every round differs: full, partial and no
@@ -124,6 +124,7 @@ class OracleTreeDrafter:
     lie: bool = False
     params: Any = dataclasses.field(default=None, repr=False)
     name: str = "oracle-tree"
+    proposes_trees = True
     always_proposes = True
 
     def _key(self):

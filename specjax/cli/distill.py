@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 
+from specjax.drafters import registry
 from specjax.train.benchmark import bench
 from specjax.train.common import DistillError
-from specjax.train.distill import run
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="target (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--out", required=True, help="run directory (refused if it exists, unless --resume)")
-    p.add_argument("--arch", default="eagle", choices=["eagle"], help="drafter kind")
+    p.add_argument("--arch", default="eagle", metavar="KIND",
+                   help="the drafter kind to train (specjax.drafters.registry; trainable: "
+                        f"{', '.join(registry.trainable_kinds())}). eagle: an EAGLE-style feature drafter, written "
+                        "as DIR/drafter (drafter.json + weights) for --draft DIR/drafter")
     p.add_argument("--prompts", default=None, help="JSONL prompts (Spec-Bench 'turns', 'prompt' or 'ids')")
     p.add_argument("--split", default=None, help="JSON {'train': [question ids], 'eval': [...]}")
     p.add_argument("--steps", type=int, default=1000)
@@ -29,7 +33,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="reuse the data set(s) of other runs (their DIR/data; several are merged, shared greedy "
                         "continuations kept once) instead of generating one")
     p.add_argument("--onpolicy-after", type=int, default=0)
-    p.add_argument("--gamma", type=int, default=4)
+    p.add_argument("--gamma", type=int, default=4,
+                   help="the draft depth γ (drafts per round) the drafter is trained for (a block drafter: its block "
+                        "size); recorded in DIR/run.json. The eagle kind's training does not depend on it: how far "
+                        "it looks ahead is set by its unrolled pass (--unroll-weight) or, with --feature-layers, "
+                        "--ttt-steps")
     p.add_argument("--sub-vocab", type=int, default=8192, help="head rows: most frequent target tokens")
     p.add_argument("--intermediate", type=int, default=1024, help="drafter MLP width")
     p.add_argument("--copy-ngram", type=int, default=0, metavar="N",
@@ -85,13 +93,25 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bench-limit", type=int, default=0, help="at most N eval prompts (0 = all)")
 
 
+def trainer(arch: str):
+    """The training entry of the drafter kind ``arch`` (``specjax distill --arch``): its
+    registry entry's ``"module:function"``, imported.
+
+    Raises:
+      ValueError: an unknown kind or one without a training entry (one line naming the trainable kinds).
+    """
+    module, _, name = registry.trainer_of(arch).partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def cmd_distill(args) -> int:
+    train = trainer(args.arch)
     if args.bench:
         if not (args.prompts and args.split):
             raise DistillError("--bench needs --prompts and --split (the evaluation question ids)")
         bench(args)
         return 0
-    run(args)
+    train(args)
     return 0
 
 

@@ -2,17 +2,18 @@
 
 A drafter is a *static* (hashable) object — it becomes part of the compiled
 program — plus two pytrees the loop carries as arguments: ``params`` (weights, or
-``None``) and a ``state`` (e.g. its own KV cache). Kinds: a separate draft model
-(:class:`~specjax.drafters.model.ModelDrafter`), n-gram prompt lookup
-(:class:`~specjax.drafters.ngram.NgramDrafter`); feature-level heads read
-``context.target_hidden``.
+``None``) and a ``state`` (e.g. its own KV cache). Every drafter subclasses :class:`Drafter`
+and declares there what the loop, measurement and training need (the target features it reads,
+whether it proposes trees, its cost shape, …). The kinds a ``--draft`` value names (a separate
+draft model, n-gram prompt lookup, EAGLE feature drafters) are declared in
+:mod:`specjax.drafters.registry`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import jax
 from jaxtyping import Array, Float, Int
@@ -41,7 +42,7 @@ class DraftContext:
       sampling: per-row sampling settings; a drafter must make q with
         ``sampling.process`` (the same processor that makes the target's p).
       target_hidden: ``[B, γ+1, F]`` float32 final hidden states (after the final norm, F = D),
-        or for a drafter whose ``config.feature_layers`` names target blocks the fused block outputs
+        or for a drafter whose ``feature_layers`` names target blocks the fused block outputs
         (:func:`specjax.models.llama.target_features`, F = len·D), of the target's last call, whose inputs were ``[last committed, x_1..x_γ]`` at
         positions ``lengths_before-1 ..``; index ``last_accepted`` holds the state at
         position ``lengths-2`` (the input before the last committed token). In
@@ -152,25 +153,88 @@ class TreeProposal(NamedTuple):
     state: Any
 
 
-class Drafter(Protocol):
-    """Protocol of a drafter (static part; hashable so it can key compiled programs).
+class CausalModel(NamedTuple):
+    """What a drafter that IS a whole causal language model over the target vocabulary (a draft
+    model) declares as :attr:`Drafter.causal_model`: its NNX ``graphdef``, its ``config`` (a
+    :class:`~specjax.models.config.ModelConfig`) and its KV-cache dtype. Its ``params`` are that
+    model's parameters and its state that model's ``KVCache``, so sharding places them by the
+    config's rules; q at every position is the model's next-token distribution there, so
+    measurement teacher-forces it in one forward (:func:`specjax.eval.measure.measure_alpha`)."""
 
-    name: short label for stats and tables.
-    params: weight pytree passed to the jitted loop as an argument (or ``None``).
-    always_proposes: ``num_valid`` is always γ (a model drafter without a confidence cut-off).
-      With a tree: every row always has at least one valid node (the loop then compiles only
-      the tree call, no one-token step for rounds without drafts).
-      The loop then compiles only the γ+1-token verification call (a round with nothing
-      allowed, near ``max_new_tokens``, verifies with ``num_allowed = 0``, which is a plain
-      step's distribution); otherwise it also compiles a one-token target step for rounds
-      where no row has a draft (n-gram misses), which halves nothing there but doubles the
-      target's share of the compile.
+    graphdef: Any
+    config: Any
+    cache_dtype: Any
+
+
+class Drafter:
+    """The drafter protocol, as a base class: every drafter subclasses it and declares what the
+    loop, measurement and training need; the defaults below are those of a chain drafter that
+    reads the target's final hidden state (or nothing) and may propose nothing.
+
+    A drafter is static (hashable: it keys compiled programs) — subclass it with a frozen
+    dataclass, or define ``__hash__``/``__eq__`` — plus two pytrees the loop carries as
+    arguments: ``params`` and the state of :meth:`init_state`. This class adds no field, no
+    ``__hash__`` and no ``__eq__``: a subclass hashes and compares as it defines.
+
+    Attributes (class attributes or properties of a subclass):
+      name: short label for stats and tables.
+      params: weight pytree passed to the jitted loop as an argument (or ``None``).
+      feature_layers: the target blocks whose fused outputs it reads as ``context.target_hidden``
+        (:func:`specjax.models.llama.target_features`, width ``len·D``); ``()``: the target's final
+        hidden state (width D), which a drafter may also ignore.
+      proposes_trees: ``True``: it implements :meth:`propose_tree` for any top-k; ``False``: chains
+        only (a tree of top-k 1 is decoded with its chain, :meth:`propose` with γ = D).
+      always_proposes: ``num_valid`` is always γ (a model drafter without a confidence cut-off).
+        With a tree: every row always has at least one valid node (the loop then compiles only
+        the tree call, no one-token step for rounds without drafts).
+        The loop then compiles only the γ+1-token verification call (a round with nothing
+        allowed, near ``max_new_tokens``, verifies with ``num_allowed = 0``, which is a plain
+        step's distribution); otherwise it also compiles a one-token target step for rounds
+        where no row has a draft (n-gram misses), which halves nothing there but doubles the
+        target's share of the compile.
+      context_limit: the most positions its own state holds (e.g. a draft model's context), or
+        ``None`` (no limit of its own); a row holds at most the smaller of the target's and this.
+      causal_model: a :class:`CausalModel` when the drafter is a whole causal LM over the target
+        vocabulary (a draft model), else ``None``.
+
+    Cost shape and scratch: :meth:`chain_passes`, :meth:`tree_passes`, :meth:`scratch_slots`.
     """
 
     name: str
     params: Any
-    always_proposes: bool
+    feature_layers: tuple[int, ...] = ()
+    proposes_trees: bool = False
+    always_proposes: bool = False
+    context_limit: int | None = None
+    causal_model: CausalModel | None = None
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        has_tree = cls.propose_tree is not Drafter.propose_tree
+        if isinstance(cls.proposes_trees, bool) and cls.proposes_trees != has_tree:
+            raise TypeError(f"drafter class {cls.__qualname__}: proposes_trees = {cls.proposes_trees} but it "
+                            f"{'defines' if has_tree else 'does not define'} propose_tree; declare "
+                            f"proposes_trees = {has_tree}")
+
+    # ---- cost shape: the drafter's forward passes per round (0: no model pass, e.g. a lookup)
+    def chain_passes(self, gamma: int) -> int:
+        """Drafter forward passes in one round of a chain of γ drafts. Default γ: one pass per
+        draft (an autoregressive drafter)."""
+        return gamma
+
+    def tree_passes(self, shape: TreeShape) -> int:
+        """Drafter forward passes in one round of a tree of ``shape``. Default: its chain of γ = D
+        (what a chain drafter runs for a tree of top-k 1)."""
+        return self.chain_passes(shape.depth)
+
+    def scratch_slots(self, gamma: int, tree: TreeShape | None = None) -> int:
+        """Slots beyond the last committed token that one round may write in the drafter's own
+        state (a chain of γ drafts, or a tree of shape ``tree`` with γ = its depth). The buffers
+        keep the larger of this and what the target's call writes (γ; a tree:
+        :func:`specjax.runtime.loop.tree_scratch`), + 1 spare slot. Default γ."""
+        return gamma
+
+    # ---- the traced calls
     def init_state(self, params, context: DraftContext, max_len: int) -> Any:
         """The drafter's state after the prompt (a pytree the loop carries), traced inside the
         jitted prefill.
@@ -186,6 +250,7 @@ class Drafter(Protocol):
           any pytree of arrays with shapes fixed by (B, L) — e.g. a KV cache of the prompt — or
           ``()`` for a stateless drafter.
         """
+        raise NotImplementedError(f"{type(self).__qualname__} must define init_state")
 
     def propose(self, params, state, context: DraftContext, keys, gamma: int, vocab_size: int) -> Proposal:
         """Propose γ draft tokens per row, traced inside the jitted loop (one call per round).
@@ -203,12 +268,12 @@ class Drafter(Protocol):
           the distribution x_i was drawn from, made with ``context.sampling.process``),
           ``num_valid [B]`` int32 in [0, γ], and the new state.
         """
+        raise NotImplementedError(f"{type(self).__qualname__} proposes trees only (no propose)")
 
-    # Optional: drafters that propose trees (specjax.drafters.ngram, specjax.drafters.eagle).
-    # A drafter without it decodes trees of K = 1 only (its chain, verified with "iid").
     def propose_tree(self, params, state, context: DraftContext, keys, shape: TreeShape,
                      vocab_size: int) -> TreeProposal:
-        """Propose a draft tree of ``shape`` per row, traced inside the jitted loop (one call per round).
+        """Propose a draft tree of ``shape`` per row, traced inside the jitted loop (one call per
+        round); defined exactly by the drafters that declare ``proposes_trees = True``.
 
         Args:
           params, state: as for :meth:`propose`.
@@ -223,3 +288,19 @@ class Drafter(Protocol):
           a :class:`TreeProposal`; node tokens must be ``< vocab_size``. With K = 1 a drafter
           should propose its chain (then tree decoding equals chain decoding with γ = D).
         """
+        raise NotImplementedError(f"{type(self).__qualname__} proposes chains only (no propose_tree)")
+
+
+def row_context(target_context: int, drafter) -> int:
+    """The tokens a row may hold: ``target_context`` (the target's), or the drafter's own
+    :attr:`Drafter.context_limit` when it is shorter."""
+    own = drafter.context_limit if drafter is not None else None
+    return target_context if own is None else min(target_context, int(own))
+
+
+def require_drafter(drafter) -> None:
+    """Raises TypeError unless ``drafter`` is ``None`` or a :class:`Drafter` (whose declarations
+    the loop reads)."""
+    if drafter is not None and not isinstance(drafter, Drafter):
+        raise TypeError(f"drafter {drafter!r} must subclass specjax.core.drafting.Drafter (it declares what the "
+                        "decode loop needs: feature_layers, proposes_trees, always_proposes, …)")

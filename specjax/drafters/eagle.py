@@ -59,7 +59,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.core.drafting import DraftContext, Proposal, TreeProposal, TreeShape
+from specjax.core.drafting import DraftContext, Drafter, Proposal, TreeProposal, TreeShape
 from specjax.core.tree import DraftTree, block_attention_mask, build_dynamic_tree, positions
 from specjax.drafters.eagle_files import (  # noqa: F401  (the files, re-exported)
     fingerprint_mismatch, flat_trainable, save_drafter, target_fingerprint, unflat_trainable,
@@ -76,7 +76,7 @@ from specjax.core.sampling import sample
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class EagleDrafter:
+class EagleDrafter(Drafter):
     """EAGLE-style feature drafter (static part; ``params`` = ``{"train", "frozen"}``).
 
     ``min_confidence``: dynamic draft length. Drafts are offered for verification only while
@@ -95,10 +95,37 @@ class EagleDrafter:
     name: str = "eagle"
     min_confidence: float = 0.0
 
+    # its declarations (specjax.core.drafting.Drafter)
+    proposes_trees = True  # EAGLE-2 dynamic trees (propose_tree)
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target blocks it reads (EAGLE-3's fused features), ``()``: the final hidden state."""
+        return tuple(self.config.feature_layers)
+
     @property
     def always_proposes(self) -> bool:
-        """γ drafts every round unless a confidence cut-off is set (:class:`~specjax.core.drafting.Drafter`)."""
+        """γ drafts every round unless a confidence cut-off is set."""
         return self.min_confidence <= 0.0
+
+    @property
+    def context_limit(self) -> int:
+        """Its block's context (its KV cache holds the row)."""
+        return self.config.max_position_embeddings
+
+    def chain_passes(self, gamma: int) -> int:
+        """γ: the (γ+1)-token call over the last round's true features (q_1), then γ − 1 steps."""
+        return gamma
+
+    def tree_passes(self, shape: TreeShape) -> int:
+        """D: the call over the true features at the root and accepted path, then one forest call
+        per level 2..D (:meth:`propose_tree`)."""
+        return shape.depth
+
+    def scratch_slots(self, gamma: int, tree: TreeShape | None = None) -> int:
+        """A chain: γ (the first call's last position); a tree: also the forest calls' K paths of up
+        to D − 1 nodes."""
+        return gamma if tree is None else max(tree.depth, tree.topk * (tree.depth - 1))
 
     def _key(self):
         return (self.config, self.name, float(self.min_confidence))

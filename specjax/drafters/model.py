@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.models.config import CheckpointError
-from specjax.core.drafting import DraftContext, Proposal
+from specjax.core.drafting import CausalModel, DraftContext, Drafter, Proposal, TreeShape
 from specjax.models import llama
 from specjax.core.sampling import sample
 
@@ -70,7 +70,7 @@ def fit_vocab(logits, vocab_size: int):
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class ModelDrafter:
+class ModelDrafter(Drafter):
     """Draft with a small autoregressive model.
 
     Each round starts by feeding the drafter the last two committed tokens at their
@@ -85,7 +85,33 @@ class ModelDrafter:
     params: Any = dataclasses.field(repr=False, default=None)
     name: str = "draft"
     cache_dtype: Any = jnp.float32
-    always_proposes = True  # γ drafts every round (see specjax.core.drafting.Drafter)
+    # its declarations (specjax.core.drafting.Drafter)
+    feature_layers = ()  # reads only the committed tokens
+    proposes_trees = False  # chains only (a tree of top-k 1: its chain)
+    always_proposes = True  # γ drafts every round
+
+    @property
+    def context_limit(self) -> int:
+        """Its own context (its KV cache holds the row)."""
+        return self.config.max_position_embeddings
+
+    @property
+    def causal_model(self) -> CausalModel:
+        """A whole causal LM over the target vocabulary (sharded by its config; teacher-forced in
+        measurement)."""
+        return CausalModel(self.graphdef, self.config, self.cache_dtype)
+
+    def chain_passes(self, gamma: int) -> int:
+        """γ: the call over the last two committed tokens (q_1), then γ − 1 one-token steps."""
+        return gamma
+
+    def tree_passes(self, shape: TreeShape) -> int:
+        """Its chain of γ = D (trees of top-k 1 only)."""
+        return shape.depth
+
+    def scratch_slots(self, gamma: int, tree: TreeShape | None = None) -> int:
+        """γ − 1: the steps write x_1..x_{γ−1} after the last committed token."""
+        return max(gamma - 1, 0)
 
     def _key(self):
         return (self.config, self.graphdef, self.name, jnp.dtype(self.cache_dtype).name)

@@ -18,19 +18,35 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from specjax.core.drafting import MAX_NGRAM, DraftContext, Proposal, TreeProposal, TreeShape
+from specjax.core.drafting import MAX_NGRAM, DraftContext, Drafter, Proposal, TreeProposal, TreeShape
 from specjax.core.tree import DraftTree
 
 
 @dataclasses.dataclass(frozen=True)
-class NgramDrafter:
+class NgramDrafter(Drafter):
     """Prompt-lookup drafter. ``max_ngram``: longest n-gram tried (1 ≤ N ≤ ``MAX_NGRAM``, 16);
     ``min_ngram``: shortest."""
 
     max_ngram: int = 3
     min_ngram: int = 1
     params: None = None
-    always_proposes = False  # no match, no drafts (see specjax.core.drafting.Drafter)
+    # its declarations (specjax.core.drafting.Drafter)
+    feature_layers = ()  # reads only the committed tokens
+    proposes_trees = True  # a trie of every earlier match (propose_tree)
+    always_proposes = False  # no match, no drafts
+    context_limit = None  # no state of its own
+
+    def chain_passes(self, gamma: int) -> int:
+        """No model pass: a lookup in the committed tokens."""
+        return 0
+
+    def tree_passes(self, shape: TreeShape) -> int:
+        """No model pass: a trie of lookups."""
+        return 0
+
+    def scratch_slots(self, gamma: int, tree: TreeShape | None = None) -> int:
+        """None: it keeps no state."""
+        return 0
 
     def __post_init__(self):
         if not 1 <= self.min_ngram <= self.max_ngram:

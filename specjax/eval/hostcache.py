@@ -144,9 +144,9 @@ def drafter_fingerprint(drafter) -> dict | None:
     parameters (whose dtypes are its weight format)."""
     if drafter is None:
         return None
-    params = getattr(drafter, "params", None)
+    params = drafter.params
     return {"type": f"{type(drafter).__module__}.{type(drafter).__qualname__}",
-            "name": getattr(drafter, "name", ""), "fields": _static_fields(drafter),
+            "name": drafter.name, "fields": _static_fields(drafter),
             "params": params_checksum(params) if params is not None else None}
 
 

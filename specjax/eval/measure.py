@@ -37,7 +37,7 @@ from specjax.eval.hostcache import cached_or_measured
 from specjax.core.drafting import DraftContext
 from specjax.core.sampling import SamplingParams
 from specjax.core.settings import as_dict
-from specjax.drafters.model import ModelDrafter, fit_vocab
+from specjax.drafters.model import fit_vocab
 from specjax.drafters.ngram import NgramDrafter
 from specjax.eval import theory as analysis
 from specjax.eval.speedup import (  # noqa: F401  (re-exported: measure is the public module)
@@ -160,8 +160,8 @@ def _teacher_probs(graphdef, cfg, params, tokens, starts, sampling, width, vocab
 
 
 def _features_of(drafter) -> tuple[int, ...]:
-    """The target blocks ``drafter`` reads (fused features), or ``()``."""
-    return tuple(getattr(getattr(drafter, "config", None), "feature_layers", ()) or ())
+    """The target blocks ``drafter`` reads (its ``feature_layers``: fused features), or ``()``."""
+    return tuple(drafter.feature_layers) if drafter is not None else ()
 
 
 def _feature_size(cfg, drafter) -> int:
@@ -215,9 +215,9 @@ def measure_alpha(
     """α = E[Σ_x min(p, q)] along the target's own continuation (teacher forcing).
 
     For prompt + continuation ``y_1..y_n``, β is computed at the n positions that predict
-    ``y_1..y_n``: p from one target forward, q from one drafter forward (a
-    :class:`ModelDrafter`), both through ``SamplingParams.process`` with the given
-    settings. Any other drafter (n-gram, custom) is run as ``propose(γ=1)`` once per
+    ``y_1..y_n``: p from one target forward, q from one drafter forward (a drafter that is a
+    whole causal LM, :attr:`~specjax.core.drafting.Drafter.causal_model`: a draft model), both
+    through ``SamplingParams.process`` with the given settings. Any other drafter (n-gram, custom) is run as ``propose(γ=1)`` once per
     position (one row per position, context = the committed tokens); for n-gram
     lookup q is one-hot, so β = p(proposal), and positions without a proposal are left
     out of α (the loop takes a plain step there) and counted in ``coverage``.
@@ -242,7 +242,7 @@ def measure_alpha(
     tok = np.zeros((len(seqs), length), np.int32)
     for i, s in enumerate(seqs):
         tok[i, : len(s)] = s
-    if isinstance(drafter, ModelDrafter):
+    if drafter.causal_model is not None:  # q of every position from one teacher-forced forward
         betas = _betas_teacher_forced(target, drafter, tok, starts, counts, width, sp_kw, batch_size, progress)
     else:
         betas = _betas_proposed(target, drafter, tok, starts, counts, width, sp_kw, seed, progress)
@@ -250,19 +250,20 @@ def measure_alpha(
 
 
 def _betas_teacher_forced(target, drafter, tok, starts, counts, width, sp_kw, batch_size, progress):
-    """β per prompt for a :class:`ModelDrafter`: one target and one drafter forward per batch
-    of ``batch_size`` padded rows of ``tok [N, L]``."""
+    """β per prompt for a drafter that is a whole causal LM (its ``causal_model``: a draft model):
+    one target and one drafter forward per batch of ``batch_size`` padded rows of ``tok [N, L]``."""
     n = len(tok)
     b = max(1, min(int(batch_size), n))
     sp = _sampling(b, **sp_kw)
-    tdt, ddt = _cache_dtype(target), jnp.dtype(drafter.cache_dtype)
+    model = drafter.causal_model
+    tdt, ddt = _cache_dtype(target), jnp.dtype(model.cache_dtype)
     betas = []
     for lo in _progress(range(0, n, b), "alpha", enabled=progress):
         rows = list(range(lo, min(lo + b, n)))
         rows_pad = rows + [rows[0]] * (b - len(rows))
         st = np.asarray([starts[i] for i in rows_pad], np.int32)
         out = np.asarray(_betas_model(
-            target.graphdef, target.config, target.params, drafter.graphdef, drafter.config,
+            target.graphdef, target.config, target.params, model.graphdef, model.config,
             drafter.params, jnp.asarray(tok[rows_pad]), jnp.asarray(st), sp, width, tdt, ddt))
         betas += [out[r, : counts[i]].astype(np.float64) for r, i in enumerate(rows)]
     return betas
@@ -753,7 +754,7 @@ def _pair_report(target, drafter, settings, chat, recs, plen, alpha, costs, rows
     best, best_tb = best_row(rows), best_row(rows, "speedup_textbook")
     return {
         "target": getattr(target, "name", ""),
-        "drafter": getattr(drafter, "name", type(drafter).__name__),
+        "drafter": drafter.name,
         "settings": {"max_new_tokens": settings.max_new_tokens, "batch_size": settings.batch_size, "chat": chat,
                      "seed": settings.seed, "ignore_eos": settings.ignore_eos, "prompts": len(recs),
                      "median_prompt_tokens": plen, **_sampling_kw(settings)},

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.core.drafting import MAX_GAMMA, TreeShape
+from specjax.core.drafting import MAX_GAMMA, TreeShape, require_drafter, row_context
 from specjax.core.sampling import SamplingParams
 from specjax.models.llama import kv_cache_dtype
 from specjax.runtime.loop import (  # noqa: F401  (_start/_run/… re-exported for sharding and tests)
@@ -142,14 +142,14 @@ def tree_shape(nodes=None, depth=None, topk=None) -> TreeShape | None:
 
 
 def check_tree_drafter(tree: TreeShape | None, drafter) -> None:
-    """Refuse a tree the drafter cannot propose: no drafter, or K > 1 for a drafter without
-    ``propose_tree`` (a draft model: chains only). Raises ValueError."""
+    """Refuse a tree the drafter cannot propose: no drafter, or K > 1 for a drafter that proposes
+    chains only (``proposes_trees`` false: a draft model). Raises ValueError."""
     if tree is None:
         return
     if drafter is None:
         raise ValueError("a draft tree needs a drafter (ngram, default or an EAGLE drafter path)")
-    if tree.topk > 1 and not hasattr(drafter, "propose_tree"):
-        raise ValueError(f"drafter {getattr(drafter, 'name', drafter)!r} proposes chains only (a tree needs "
+    if tree.topk > 1 and not drafter.proposes_trees:
+        raise ValueError(f"drafter {drafter.name!r} proposes chains only (a tree needs "
                          "--draft ngram, default or an EAGLE drafter); use tree topk 1 or --gamma")
 
 
@@ -203,13 +203,14 @@ class Decoder:
     ``tree_nodes``, ``tree_depth``, ``tree_topk``: draft trees (all three, or none for chains of
     γ drafts): N nodes, depth D, at most K children per node (:class:`~specjax.core.drafting.TreeShape`;
     ``gamma`` is then ignored: D is the most drafts a round accepts). The drafter proposes a tree
-    per round (``propose_tree``; a drafter without it only K = 1, its chain), one target call
+    per round (``propose_tree``; one that proposes chains only: K = 1, its chain), one target call
     verifies all N nodes, and the accepted path is committed (:func:`specjax.runtime.loop._tree_round`).
 
     Raises:
       ValueError: ``gamma`` not an integer in [1, ``MAX_GAMMA``] (64) with a drafter, ``prompt_bucket`` not an
         integer ≥ 1, or a tree that is incomplete, out of range, without a drafter or with
         K > 1 for a drafter that proposes chains only.
+      TypeError: a drafter that does not subclass :class:`specjax.core.drafting.Drafter`.
     """
 
     def __init__(self, target, drafter=None, gamma: int = 4, mesh=None, progress=None,
@@ -217,6 +218,7 @@ class Decoder:
                  tree_depth: int | None = None, tree_topk: int | None = None):
         self.progress = progress
         self.tree = tree_shape(tree_nodes, tree_depth, tree_topk)
+        require_drafter(drafter)
         check_tree_drafter(self.tree, drafter)
         if self.tree is not None:
             gamma = self.tree.depth
@@ -254,10 +256,8 @@ class Decoder:
         return compiled, time.perf_counter() - t0
 
     def context_limit(self) -> int:
-        lim = self.target.config.max_position_embeddings
-        if self.drafter is not None and getattr(self.drafter, "config", None) is not None:
-            lim = min(lim, self.drafter.config.max_position_embeddings)
-        return lim
+        """The tokens a row may hold (:func:`~specjax.core.drafting.row_context`)."""
+        return row_context(self.target.config.max_position_embeddings, self.drafter)
 
     @property
     def cache_dtype(self) -> str:
@@ -269,6 +269,8 @@ class Decoder:
         """The Program for prompts of up to ``prompt_len`` tokens and rows of up to
         ``max_new_tokens`` new tokens (already capped to the context)."""
         spare = self.gamma if self.tree is None else tree_scratch(self.tree)
+        if self.drafter is not None:  # the drafter's own writes, when it declares more
+            spare = max(spare, self.drafter.scratch_slots(self.gamma, self.tree))
         buf = decode_buffer_len(int(prompt_len), int(max_new_tokens), spare, self.prompt_bucket)
         return Program(self.target.config, self.target.graphdef, self.drafter, self.gamma, buf, self.cache_dtype,
                        -1 if logprobs is None else int(logprobs), self.tree)

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from specjax.core import tree as tree_ops
 from specjax.core.acceptance import verify
-from specjax.core.drafting import DraftContext, TreeProposal, TreeShape
+from specjax.core.drafting import DraftContext, Drafter, TreeProposal, TreeShape, require_drafter
 from specjax.core.sampling import SamplingParams, penalize, sample
 from specjax.models import llama
 from specjax.models.config import ModelConfig
@@ -156,7 +156,7 @@ class Program:
 
     cfg: ModelConfig
     graphdef: Any
-    drafter: Any  # None for plain autoregressive decoding
+    drafter: Drafter | None  # None for plain autoregressive decoding
     gamma: int
     buffer_len: int
     cache_dtype: str = "float32"
@@ -164,14 +164,15 @@ class Program:
     tree: TreeShape | None = None
 
     def __post_init__(self):
+        require_drafter(self.drafter)
         if self.tree is not None and (self.drafter is None or self.gamma != self.tree.depth):
             raise ValueError(f"a tree program needs a drafter and gamma = the tree's depth {self.tree.depth}, "
                              f"got drafter {self.drafter!r}, gamma {self.gamma}")
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
-        """The target blocks a fused-feature drafter reads (``()``: the final hidden state)."""
-        return tuple(getattr(getattr(self.drafter, "config", None), "feature_layers", ()) or ())
+        """The target blocks the drafter reads (its ``feature_layers``; ``()``: the final hidden state)."""
+        return tuple(self.drafter.feature_layers) if self.drafter is not None else ()
 
     @property
     def feature_size(self) -> int:
@@ -389,7 +390,7 @@ def _round(prog: Program, tparams, dparams, st: DecodeState) -> DecodeState:
             cache, n, chunk, _, dstate, hid, lps = plain(st, dstate)
             return cache, n, chunk, jnp.zeros_like(allowed), dstate, hid, lps
 
-        if getattr(prog.drafter, "always_proposes", False):
+        if prog.drafter.always_proposes:
             # one target program in the loop (compile time); a round with nothing allowed
             # verifies with num_allowed = 0, i.e. samples from p_1 like a plain step
             cache, n, chunk, allowed, dstate, hidden, lps = spec(st, prop.state)
@@ -456,12 +457,13 @@ def _count(prog: Program, st: DecodeState, n, allowed, count, new, rejected=None
 
 def _propose_tree(drafter, dparams, dstate, ctx: DraftContext, keys, shape: TreeShape, vocab: int) -> TreeProposal:
     """The drafter's tree: :meth:`~specjax.core.drafting.Drafter.propose_tree`, or for a drafter
-    without it (a draft model) its chain of γ = D drafts as a tree of K = 1, verified with
-    ``"iid"`` (one child drawn from q per node: Leviathan et al.'s Algorithm 1 exactly)."""
-    if hasattr(drafter, "propose_tree"):
+    that proposes chains only (``proposes_trees`` false: a draft model) its chain of γ = D drafts as
+    a tree of K = 1, verified with ``"iid"`` (one child drawn from q per node: Leviathan et al.'s
+    Algorithm 1 exactly)."""
+    if drafter.proposes_trees:
         return drafter.propose_tree(dparams, dstate, ctx, keys, shape, vocab)
     if shape.topk != 1:
-        raise ValueError(f"drafter {getattr(drafter, 'name', drafter)!r} proposes chains only; use a tree of "
+        raise ValueError(f"drafter {drafter.name!r} proposes chains only; use a tree of "
                          "topk 1 or a drafter that proposes trees (ngram, an EAGLE drafter)")
     prop = drafter.propose(dparams, dstate, ctx, keys, shape.depth, vocab)
     return TreeProposal(tree_ops.chain_tree(prop), "iid", prop.state)
@@ -550,7 +552,7 @@ def _tree_round(prog: Program, tparams, dparams, st: DecodeState) -> DecodeState
         chunk = chunk_of(jnp.zeros((b, width - 1), jnp.int32), zeros, nxt)
         return cache, zeros, chunk, zeros, no, dstate, hidden, logprobs_of(p, logits, chunk)
 
-    if getattr(prog.drafter, "always_proposes", False):
+    if prog.drafter.always_proposes:
         cache, n, chunk, offered, rejected, dstate, hidden, lps = spec(st, prop.state)
     else:
         cache, n, chunk, offered, rejected, dstate, hidden, lps = jax.lax.cond(

@@ -367,15 +367,15 @@ def shard_model(model, mesh: Mesh, warn: bool = True):
 
 
 def shard_drafter(drafter, mesh: Mesh):
-    """The drafter with its parameters on ``mesh``: a draft model by its OWN config's rules,
-    any other parameter pytree replicated."""
-    if drafter is None or getattr(drafter, "params", None) is None:
+    """The drafter with its parameters on ``mesh``: a draft model (a drafter that declares its
+    :attr:`~specjax.core.drafting.Drafter.causal_model`) by its OWN config's rules, any other
+    parameter pytree replicated."""
+    if drafter is None or drafter.params is None:
         return drafter
-    cfg = getattr(drafter, "config", None)
-    from specjax.models.config import ModelConfig
-
-    if isinstance(cfg, ModelConfig) and dataclasses.is_dataclass(drafter):
-        warn_replicated(cfg, mesh, name=f"drafter {getattr(drafter, 'name', '')} on mesh {mesh_str(mesh)}")
+    model = drafter.causal_model
+    if model is not None and dataclasses.is_dataclass(drafter):
+        cfg = model.config
+        warn_replicated(cfg, mesh, name=f"drafter {drafter.name} on mesh {mesh_str(mesh)}")
         try:
             params = shard_params(drafter.params, cfg, mesh)
         except Exception:  # not a llama nnx.State: keep it whole on every device
@@ -450,9 +450,9 @@ def state_shardings(prog, state, mesh: Mesh):
 
     out = jax.tree_util.tree_map(by_row, state)
     out = dataclasses.replace(out, target_cache=cache_shardings(prog.cfg, mesh, state.target_cache))
-    dcfg = getattr(prog.drafter, "config", None)
-    if isinstance(state.drafter_state, llama.KVCache) and dcfg is not None:
-        out = dataclasses.replace(out, drafter_state=cache_shardings(dcfg, mesh, state.drafter_state))
+    model = prog.drafter.causal_model if prog.drafter is not None else None
+    if isinstance(state.drafter_state, llama.KVCache) and model is not None:
+        out = dataclasses.replace(out, drafter_state=cache_shardings(model.config, mesh, state.drafter_state))
     return out
 
 
