@@ -83,7 +83,7 @@ def test_the_field_reaches_the_measurement_key_and_bench_json(new_field):
     b = DecodeSettings.create(foo_weight=1.0)
     assert measure._sampling_kw(a)["foo_weight"] == 0.0
     assert measure._sampling_kw(a) != measure._sampling_kw(b)  # a new value is a new cache key
-    run = SimpleNamespace(prompt_records=[], model_name="m", weight_bytes=1)
+    run = SimpleNamespace(prompt_records=[], model_name="m", weight_bytes=1, parse_special=True, chat=True)
     cfg = bench._bench_config([], b, run, {}, started="t", total_s=0.0, model=None, drafts=[], gammas=[],
                               trees=[], dtypes=["float32"], draft_dtype="float32", chat=True, warmup=0)
     assert cfg["sampling"]["foo_weight"] == 1.0
@@ -99,3 +99,27 @@ def test_every_declared_field_is_a_flag_and_a_key():
     for name, k, _ in knobs(sampling_mod.Sampling):
         assert name in _config_types()
         assert (name in flags) == k.flag, name
+
+
+def test_draft_default_uses_the_shipped_pairs_method():
+    """``--draft default`` decodes with the shipped pair's γ with or without ``--config``; a flag wins."""
+    from specjax.api import load_pair_config
+    from specjax.cli import build_parser
+    from specjax.cli.common import SHIPPED_PAIR, resolve
+
+    p = build_parser()
+    shipped = load_pair_config(SHIPPED_PAIR)["gamma"]
+    assert resolve(p.parse_args(["generate", "x", "--draft", "default"]))["gamma"] == shipped
+    assert resolve(p.parse_args(["generate", "x", "--config", SHIPPED_PAIR]))["gamma"] == shipped
+    assert resolve(p.parse_args(["generate", "x", "--draft", "default", "--gamma", "5"]))["gamma"] == "5"
+    assert resolve(p.parse_args(["generate", "x", "--draft", "ngram"]))["gamma"] is None  # parse_gamma's 4
+
+
+def test_one_chat_template_rule():
+    from specjax.cli.common import chat_default
+
+    with_template = SimpleNamespace(tokenizer=SimpleNamespace(chat_template="{{ messages }}"))
+    without = SimpleNamespace(tokenizer=SimpleNamespace(chat_template=None))
+    assert chat_default(with_template, None) is True and chat_default(without, None) is False
+    assert chat_default(SimpleNamespace(tokenizer=None), None) is False
+    assert chat_default(with_template, False) is False and chat_default(without, True) is True

@@ -28,7 +28,7 @@ def test_decode_settings_validate_and_derive():
 
     s = DecodeSettings(max_new_tokens=8, temperature=0.7, top_k=5, batch_size=2, ignore_eos=True, seed=2 ** 63)
     assert [list(r) for r in s.batches(5)] == [[0, 1], [2, 3], [4]] and s.eos_ids() == []
-    assert s.sampling(3).temperature.shape == (3,) and hash(s) == hash(DecodeSettings(**vars(s)))
+    assert s.params(3).temperature.shape == (3,) and s.sampling.top_k == 5 and hash(s) == hash(DecodeSettings(**vars(s)))
     for bad in (dict(max_new_tokens=0), dict(temperature=-1), dict(temperature=float("nan")), dict(top_k=-1),
                 dict(top_p=0), dict(top_p=1.5), dict(seed=-1), dict(seed=2 ** 64), dict(batch_size=0)):
         with pytest.raises(ValueError):

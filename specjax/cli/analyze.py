@@ -339,7 +339,7 @@ def cmd_analyze(args) -> int:
 
 
 def run_models(args) -> dict:
-    from specjax.cli.common import collect_prompts, load_target_and_drafter, resolve
+    from specjax.cli.common import chat_default, collect_prompts, load_target_and_drafter, resolve
     from specjax.eval import measure
     from specjax.runtime.settings import DecodeSettings
 
@@ -349,13 +349,13 @@ def run_models(args) -> dict:
     if s["tree"] is not None and s["tree"] not in trees:  # a pair config's tree is analyzed too
         trees.append(s["tree"])
     if trees:
-        from specjax.api import draft_spec_proposes_trees
+        from specjax.drafters import registry
 
         wide = [t for t in trees if t.topk > 1]
-        if wide and not draft_spec_proposes_trees(s["draft"]):
-            raise _usage(f"--draft {s['draft']} is a draft model, which proposes chains only; tree shape "
-                         f"{_tree_key(wide[0])} (topk {wide[0].topk}) needs --draft default, ngram or an EAGLE "
-                         "drafter directory (or topk 1)")
+        if wide and not registry.proposes_trees(s["draft"]):
+            raise _usage(f"--draft {s['draft']} is {registry.kind_words(s['draft'])}, which proposes chains only; "
+                         f"tree shape {_tree_key(wide[0])} (topk {wide[0].topk}) needs --draft default, ngram or an "
+                         "EAGLE drafter directory (or topk 1)")
     gmax = MODEL_GAMMA_MAX if args.gamma_max is None else args.gamma_max
     from specjax.core.drafting import MAX_GAMMA
 
@@ -375,7 +375,7 @@ def run_models(args) -> dict:
     settings = DecodeSettings(max_new_tokens=s["max_new_tokens"], sampling=s["sampling"], seed=args.seed, batch_size=args.batch_size,
                               ignore_eos=args.ignore_eos)
     rep = measure.analyze_pair(
-        target, drafter, prompts, settings, gamma_max=gmax, gamma=gamma, chat=bool(s["chat"]),
+        target, drafter, prompts, settings, gamma_max=gmax, gamma=gamma, chat=chat_default(target, s["chat"]),
         parse_special=s["parse_special"], repeats=args.repeats,
         timing_repeats=args.timing_repeats, log=log, progress=not args.no_progress, trees=trees,
     )

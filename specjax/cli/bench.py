@@ -43,7 +43,8 @@ def register_cli(subparsers) -> None:
                    help="target weight format(s); several run as an outer loop (default float32); auto: the "
                         "fastest decode step on this host (measured once, cached)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
-                   help="wrap prompts in the model's chat template (default: on; --no-chat to turn off)")
+                   help="wrap prompts in the model's chat template (default: on when the model has one; "
+                        "--no-chat sends raw text)")
     p.add_argument("--warmup", type=int, default=1, metavar="K",
                    help="untimed warm-up runs of the first batch per method (default 1)")
     p.add_argument("--out", metavar="FILE", default=None, help="write the full results as JSON (refuses to overwrite)")
@@ -70,7 +71,7 @@ def cmd_bench(args) -> int:
     s = resolve(args, default_draft="ngram", tree_with_gamma=True)
     cfg = load_pair_config(args.config) if args.config else {}
     dtypes = list(dtypes_flag) if dtypes_flag else [cfg.get("dtype", "float32")]
-    chat = chat_flag if chat_flag is not None else bool(cfg.get("chat", True))
+    chat = chat_flag if chat_flag is not None else cfg.get("chat")  # None: the model's template if it has one
     draft_dtype = args.draft_dtype or cfg.get("draft_dtype")
     drafts = s["draft"]
     if drafts is None:

@@ -204,6 +204,29 @@ def sampling_of(s: dict):
 
 TREE_FLAGS = ("tree_nodes", "tree_depth", "tree_topk")
 
+def chat_default(target, given) -> bool:
+    """THE chat-template rule of every command: ``given`` (``--chat`` / ``--no-chat`` or the pair
+    config's ``chat``) when set, else on exactly when the model has a chat template."""
+    if given is not None:
+        return bool(given)
+    return target.tokenizer is not None and bool(target.tokenizer.chat_template)
+
+
+SHIPPED_PAIR = "smollm2-default"  # the pair config of the default model and its shipped drafter
+
+
+def shipped_pair_method() -> dict:
+    """``--draft default``'s method when neither ``--gamma`` nor a tree is given: the shipped pair
+    config's (``configs/smollm2-default.toml``), so ``--draft default`` decodes alike with or without
+    ``--config``. Returns ``{"gamma": g}`` or ``{"tree": TreeShape}``."""
+    from specjax.api import load_pair_config
+    from specjax.core.drafting import TreeShape
+
+    cfg = load_pair_config(SHIPPED_PAIR)
+    if all(k in cfg for k in TREE_FLAGS):
+        return {"tree": TreeShape(*(cfg[k] for k in TREE_FLAGS))}
+    return {"gamma": cfg["gamma"]}
+
 
 def _tree_setting(args, cfg: dict):
     """The draft tree of the flags (all three ``--tree-*`` together), else of the pair config
@@ -272,6 +295,8 @@ def resolve(args, default_draft=None, need_draft: str | None = None, tree_with_g
     if need_draft and s["draft"] in (None, "none", [], ["none"]):
         raise UsageError(need_draft)
     s["tree"] = _tree_setting(args, cfg)
+    if s["gamma"] is None and s["tree"] is None and s["draft"] in ("default", ["default"]):
+        s.update(shipped_pair_method())  # the shipped pair's γ or tree, with or without --config
     if s["tree"] is not None and not draft_given:  # not bench's default n-gram, silently
         where = f"config {args.config}: tree keys need a drafter; add draft = \"default\" (or \"ngram\")" \
             if args.config and any(k in cfg for k in ("tree_nodes", "tree_depth", "tree_topk")) else \
@@ -290,9 +315,10 @@ def resolve(args, default_draft=None, need_draft: str | None = None, tree_with_g
 
 
 def _check_tree(args, s: dict, tree_with_gamma: bool) -> None:
-    """A tree needs a drafter that proposes trees (top-k > 1: not a draft model) and, unless
-    ``tree_with_gamma``, no ``--gamma``. Raises UsageError."""
-    from specjax.api import draft_spec_proposes_trees
+    """A tree needs a drafter that proposes trees (top-k > 1: its kind's drafter declares
+    ``proposes_trees``; not a draft model) and, unless ``tree_with_gamma``, no ``--gamma``.
+    Raises UsageError."""
+    from specjax.drafters import registry
 
     tree = s["tree"]
     if tree is None:
@@ -306,8 +332,8 @@ def _check_tree(args, s: dict, tree_with_gamma: bool) -> None:
         raise UsageError("--gamma and --tree-* are alternatives (a tree's --tree-depth is its γ); drop one")
     if tree.topk > 1:
         for d in drafts:
-            if not draft_spec_proposes_trees(d):
-                raise UsageError(f"--draft {d} is a draft model, which proposes chains only; a tree with "
+            if not registry.proposes_trees(d):
+                raise UsageError(f"--draft {d} is {registry.kind_words(d)}, which proposes chains only; a tree with "
                                  f"--tree-topk {tree.topk} needs --draft default, ngram or an EAGLE drafter "
                                  "directory (or use --tree-topk 1)")
 
@@ -500,10 +526,10 @@ def load_target_and_drafter(s: dict, draft_spec=None, mesh=None, target=None, ca
 
 def context_limit(target, drafter=None) -> int:
     """The tokens a row may hold: the target's context, or the drafter's when it is shorter
-    (as :meth:`specjax.runtime.decoder.Decoder.context_limit`)."""
-    lim = target.config.max_position_embeddings
-    dcfg = getattr(drafter, "config", None)
-    return min(lim, getattr(dcfg, "max_position_embeddings", lim) or lim)
+    (:func:`specjax.core.drafting.row_context`, as the Decoder)."""
+    from specjax.core.drafting import row_context
+
+    return row_context(target.config.max_position_embeddings, drafter)
 
 
 def _context_words(target, lim: int) -> str:

@@ -9,7 +9,7 @@ import sys
 
 from specjax.cli.common import (
     UsageError, add_model_args, check_logprobs, collect_prompts, load_target_and_drafter, note, note_prompt_caps,
-    parse_gamma, peek_vocab_size, resolve, resolve_auto_dtype,
+    chat_default, parse_gamma, peek_vocab_size, resolve, resolve_auto_dtype,
 )
 
 
@@ -75,9 +75,7 @@ def cmd_generate(args) -> int:
         if cached and not (loads and loads[0]["cached"]):  # the target's load came first
             ph.detail = " (converted again)"
     check_logprobs(args.logprobs, target.config.vocab_size)
-    chat = s["chat"]
-    if chat is None:
-        chat = target.tokenizer is not None and bool(target.tokenizer.chat_template)
+    chat = chat_default(target, s["chat"])
     if s["max_new_tokens_given"] and target.tokenizer is not None:  # the cap of each prompt, said once
         from specjax.api import encode_prompts
 

@@ -480,38 +480,31 @@ def penalize(logits: jax.Array, sp: SamplingParams, seen: jax.Array, counts: jax
     present_i over prompt + output), per token i, in this order:
       z_i += bias_i; if present_i: z_i = z_i / R if z_i > 0 else z_i · R (CTRL, Keskar et al. 2019;
       transformers' ``RepetitionPenaltyLogitsProcessor``); z_i -= F · c_i + P · [c_i > 0] (OpenAI's
-      frequency and presence penalties); z_stop = −inf while new_before < min_tokens. Each part
-      is skipped (``lax.cond``) when no row of the batch uses it, so plain rows cost nothing.
+      frequency and presence penalties); z_stop = −inf while new_before < min_tokens. All of it is
+      skipped (one ``lax.cond``) when no row of the batch uses any part, so plain batches cost nothing.
     Draft counts are exact integers (0/1 products summed in float32).
     """
     z = jnp.asarray(logits).astype(jnp.float32)
     b, t, vocab = z.shape
     rows = jnp.arange(b)[:, None]
 
-    def add_bias(z):
+    rep, pres, freq = sp.repetition_penalty, sp.presence_penalty, sp.frequency_penalty
+    early = new_before < sp.min_tokens[:, None]  # [B, T]
+
+    def apply(z):  # every part; a row that does not use a part is left unchanged by it
         ids = jnp.where(sp.bias_ids >= 0, sp.bias_ids, vocab)
         bias = jnp.zeros((b, vocab), jnp.float32).at[rows, ids].add(sp.bias_values, mode="drop")
-        return z + bias[:, None, :]
-
-    z = lax.cond(jnp.any(sp.bias_ids >= 0), add_bias, lambda z: z, z)
-    rep, pres, freq = sp.repetition_penalty, sp.presence_penalty, sp.frequency_penalty
-    use = (rep != 1.0) | (pres != 0.0) | (freq != 0.0)
-
-    def penalties(z):
+        z = z + bias[:, None, :]
         onehot = jax.nn.one_hot(drafts, vocab, dtype=jnp.float32)  # −1 → a zero row
         extra = jnp.einsum("bts,bsv->btv", sees.astype(jnp.float32), onehot, precision=lax.Precision.HIGHEST)
         count = counts[:, None, :].astype(jnp.float32) + extra  # [B, T, V]
         present = seen[:, None, :] | (extra > 0)
         r = rep[:, None, None]
         z = jnp.where(present, jnp.where(z > 0, z / r, z * r), z)
-        return z - freq[:, None, None] * count - pres[:, None, None] * (count > 0).astype(jnp.float32)
-
-    z = lax.cond(jnp.any(use), penalties, lambda z: z, z)
-    early = new_before < sp.min_tokens[:, None]  # [B, T]
-
-    def mask_stop(z):
-        ids = jnp.where(stop_ids >= 0, stop_ids, vocab)  # [B, E]
-        is_stop = jnp.zeros((b, vocab), bool).at[rows, ids].set(True, mode="drop")
+        z = z - freq[:, None, None] * count - pres[:, None, None] * (count > 0).astype(jnp.float32)
+        stop = jnp.where(stop_ids >= 0, stop_ids, vocab)  # [B, E]
+        is_stop = jnp.zeros((b, vocab), bool).at[rows, stop].set(True, mode="drop")
         return jnp.where(early[:, :, None] & is_stop[:, None, :], -jnp.inf, z)
 
-    return lax.cond(jnp.any(early), mask_stop, lambda z: z, z)
+    used = jnp.any(sp.bias_ids >= 0) | jnp.any((rep != 1.0) | (pres != 0.0) | (freq != 0.0)) | jnp.any(early)
+    return lax.cond(used, apply, lambda z: z, z)  # one branch: no copies of z when nothing is used

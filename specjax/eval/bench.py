@@ -414,7 +414,7 @@ def run_bench(
     dtypes: Sequence[str] = ("float32",),
     draft_dtype: str | None = None,
     parse_special: bool = True,
-    chat: bool = True,
+    chat: bool | None = None,
     warmup: int = 1,
     mesh=None,
     progress: bool = True,
@@ -475,6 +475,7 @@ class _Run:
     """The state of one :func:`run_bench`: methods, batch records and per-prompt records."""
 
     parse_special: bool = True  # how the prompt texts are tokenized (api.encode_prompts)
+    chat: bool | None = None  # the chat-template choice the run used
 
     def __init__(self, prompts: list[dict], settings: DecodeSettings, batches: list[list[int]]):
         from specjax.runtime.decoder import request_keys
@@ -501,6 +502,9 @@ class _Run:
 
         target = load_model(model, dtype=dtype)
         self.model_name = target.name
+        if chat is None:  # the rule of every command (cli.common.chat_default): the model's template if any
+            chat = target.tokenizer is not None and bool(target.tokenizer.chat_template)
+        self.chat = chat
         ids = encode_prompts(target, [p["prompt"] for p in self.prompts], chat, parse_special=self.parse_special)
         methods = self._methods(target, dtype, ddtype, drafts, gammas, trees, multi, mesh)
         for s, dec, _ in methods:  # warm-up: compile + first runs on the first batch, untimed
@@ -535,13 +539,13 @@ class _Run:
             for g in gammas:
                 s = MethodSpec(method_name(label, g, dtype, multi), label, g, dtype, tbytes, dbytes,
                                extra={"draft_spec": dspec, "draft_dtype": ddtype})
-                methods.append((s, Decoder(target, drafter, g, mesh=mesh), g if dbytes else 0))
-            for t in trees:  # a drafter call per level: D per round (EAGLE: the re-encode, then D − 1 levels)
+                methods.append((s, Decoder(target, drafter, g, mesh=mesh), drafter.chain_passes(g) if dbytes else 0))
+            for t in trees:  # the drafter's passes per tree round (its declared cost shape)
                 s = MethodSpec(method_name(label, t.depth, dtype, multi, tree=t), label, t.depth, dtype, tbytes,
                                dbytes, extra={"draft_spec": dspec, "draft_dtype": ddtype,
                                               "tree": {"nodes": t.nodes, "depth": t.depth, "topk": t.topk}})
                 dec = Decoder(target, drafter, mesh=mesh, tree_nodes=t.nodes, tree_depth=t.depth, tree_topk=t.topk)
-                methods.append((s, dec, t.depth if dbytes else 0))
+                methods.append((s, dec, drafter.tree_passes(t) if dbytes else 0))
         for s, _, _ in methods:
             if s.name in self.records:
                 raise ValueError(f"two methods are both named {s.name!r}; give distinct --draft values")
@@ -611,7 +615,7 @@ def _bench_config(prompts, settings: DecodeSettings, run: _Run, base: dict, **kw
         "seed": settings.seed,
         "batch_size": settings.batch_size,
         "max_new_tokens": settings.max_new_tokens,
-        "chat": kw["chat"],
+        "chat": run.chat if kw["chat"] is None else kw["chat"],
         "parse_special": run.parse_special,
         "ignore_eos": settings.ignore_eos,
         "warmup": kw["warmup"],

@@ -12,7 +12,7 @@ from specjax.core.settings import knobs
 from specjax.runtime.decoder import SEED_LIMIT
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class DecodeSettings:
     """How to decode (frozen, hashable).
 
@@ -24,18 +24,33 @@ class DecodeSettings:
     batch_size: prompts decoded together (``None``: all at once).
     ignore_eos: decode exactly ``max_new_tokens`` (fixed-length benchmarks).
 
-    Build with :meth:`create` to give sampling fields as keywords
-    (``DecodeSettings.create(max_new_tokens=64, temperature=0.7, min_p=0.05)``).
+    Sampling fields may also be given as keywords (``DecodeSettings(max_new_tokens=64,
+    temperature=0.7, min_p=0.05)``); with ``sampling=`` they replace its fields.
 
     Raises (on construction):
       ValueError: a value out of its range, naming it and the range.
     """
 
     max_new_tokens: int = 128
-    sampling: sampling_mod.Sampling = dataclasses.field(default_factory=lambda: sampling_mod.Sampling())
+    sampling: sampling_mod.Sampling = None  # (set by __init__: a Sampling, default greedy)
     seed: int = 0
     batch_size: int | None = None
     ignore_eos: bool = False
+
+    def __init__(self, max_new_tokens: int = 128, sampling: sampling_mod.Sampling | None = None, seed: int = 0,
+                 batch_size: int | None = None, ignore_eos: bool = False, **sampling_fields):
+        names = {n for n, _, _ in knobs(sampling_mod.Sampling)}
+        unknown = sorted(set(sampling_fields) - names)
+        if unknown:
+            raise TypeError(f"DecodeSettings() got unknown keyword(s) {unknown}; sampling settings: {sorted(names)}")
+        if sampling is None:
+            sampling = sampling_mod.Sampling(**sampling_fields)
+        elif sampling_fields:
+            sampling = dataclasses.replace(sampling, **sampling_fields)
+        for name, value in (("max_new_tokens", max_new_tokens), ("sampling", sampling), ("seed", seed),
+                            ("batch_size", batch_size), ("ignore_eos", ignore_eos)):
+            object.__setattr__(self, name, value)
+        self.__post_init__()
 
     def __post_init__(self):
         if isinstance(self.max_new_tokens, bool) or int(self.max_new_tokens) != self.max_new_tokens \
@@ -50,16 +65,11 @@ class DecodeSettings:
 
     @classmethod
     def create(cls, **kw) -> "DecodeSettings":
-        """Settings from keywords: this class's fields and any :class:`Sampling` field.
+        """``DecodeSettings(**kw)``: this class's fields and any :class:`Sampling` field as keywords.
 
         Raises ValueError (a :class:`~specjax.core.settings.SettingError` for sampling fields)
         naming the value out of range; TypeError for an unknown keyword."""
-        names = {n for n, _, _ in knobs(sampling_mod.Sampling)}
-        samp = {k: kw.pop(k) for k in list(kw) if k in names}
-        base = kw.pop("sampling", None)
-        if base is not None and samp:
-            base = dataclasses.replace(base, **samp)
-        return cls(sampling=base or sampling_mod.Sampling(**samp), **kw)
+        return cls(**kw)
 
     def __getattr__(self, name):
         if name != "sampling" and name in {n for n, _, _ in knobs(sampling_mod.Sampling)}:
