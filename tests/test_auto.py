@@ -21,7 +21,7 @@ from conftest import tiny_model
 
 from specjax.drafters.model import ModelDrafter
 from specjax.drafters.ngram import NgramDrafter
-from specjax.eval import hostcache, measure
+from specjax.eval import auto, hostcache, measure
 from specjax.eval.hostcache import HostCache
 from specjax.io.loading import convert_model, load_model, save_model, source_identity
 from specjax.runtime.settings import DecodeSettings
@@ -50,7 +50,8 @@ def tiny_eagle(target):
 
 @pytest.fixture
 def counted(monkeypatch):
-    """Count :func:`measure.measure_costs` and :func:`measure.alpha_by_decoding` calls (real ones)."""
+    """Count :func:`measure.measure_costs` and :func:`measure.alpha_by_decoding` calls (real ones) made
+    by :func:`measure.recommend` (patched in :mod:`specjax.eval.auto`, where it looks them up)."""
     calls = {"costs": 0, "alpha": 0}
     real_costs, real_alpha = measure.measure_costs, measure.alpha_by_decoding
 
@@ -62,8 +63,8 @@ def counted(monkeypatch):
         calls["alpha"] += 1
         return real_alpha(*a, **k)
 
-    monkeypatch.setattr(measure, "measure_costs", costs)
-    monkeypatch.setattr(measure, "alpha_by_decoding", alpha)
+    monkeypatch.setattr(auto, "measure_costs", costs)  # where recommend looks them up
+    monkeypatch.setattr(auto, "alpha_by_decoding", alpha)
     return calls
 
 
@@ -82,8 +83,8 @@ def faked(monkeypatch):
         calls["alpha"] += 1
         return {"alpha": 0.6, "positions": 8, "coverage": 1.0, "betas": [[0.6] * 8]}
 
-    monkeypatch.setattr(measure, "measure_costs", costs)
-    monkeypatch.setattr(measure, "alpha_by_decoding", alpha)
+    monkeypatch.setattr(auto, "measure_costs", costs)  # where recommend looks them up
+    monkeypatch.setattr(auto, "alpha_by_decoding", alpha)
     return calls
 
 
@@ -298,14 +299,15 @@ def fake_fidelity(monkeypatch, faithful: dict):
 
 
 def fake_steps(monkeypatch, ms: dict):
-    """:func:`measure._median_ms` returning ``ms[format]`` for each step (nothing runs); counts calls."""
+    """:func:`measure._median_ms` returning ``ms[format]`` for each step (nothing runs); counts calls
+    (patched in :mod:`specjax.eval.auto`, where :func:`measure.fastest_format` looks it up)."""
     calls = []
 
     def median(cases, warmup, repeats):
         calls.append(sorted(cases))
         return {k: ms[k[1]] for k in cases}
 
-    monkeypatch.setattr(measure, "_median_ms", median)
+    monkeypatch.setattr(auto, "_median_ms", median)  # where fastest_format looks it up
     return calls
 
 

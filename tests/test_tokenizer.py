@@ -259,7 +259,10 @@ def test_bench_and_analyze_honour_no_parse_special(default_model, monkeypatch):
 
     monkeypatch.setattr(cli_bench, "run_bench", capture("bench"))
     monkeypatch.setattr(measure, "analyze_pair", capture("analyze"))
-    monkeypatch.setattr("specjax.cli.common.load_target_and_drafter", lambda s: (None, None))
+    from types import SimpleNamespace
+
+    fake = SimpleNamespace(tokenizer=SimpleNamespace(chat_template=None))
+    monkeypatch.setattr("specjax.cli.common.load_target_and_drafter", lambda s: (fake, None))
     for argv in (["bench", "--prompt", "hi"], ["analyze", "--draft", "ngram", "--prompt", "hi"]):
         monkeypatch.setenv("SPECJAX_DEBUG", "1")
         with pytest.raises(Stop):

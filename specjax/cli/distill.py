@@ -38,6 +38,21 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "size); recorded in DIR/run.json. The eagle kind's training does not depend on it: how far "
                         "it looks ahead is set by its unrolled pass (--unroll-weight) or, with --feature-layers, "
                         "--ttt-steps")
+    _add_drafter_args(p)
+    _add_data_args(p)
+    p.add_argument("--no-chat", dest="chat", action="store_false", help="prompts without the chat template")
+    p.add_argument("--export-only", action="store_true",
+                   help="with --resume: write DIR/drafter from the latest checkpoint (a run stopped early)")
+    p.add_argument("--bench", default=None, metavar="DRAFTER_DIR",
+                   help="instead of training: benchmark a distilled drafter ('default' = the shipped one) on the "
+                        "--split eval prompts vs autoregressive, ngram and the truncated target; results in --out")
+    p.add_argument("--bench-gammas", default="2,3,4,5")
+    p.add_argument("--bench-per-category", type=int, default=0, help="limit eval prompts per category (0 = all)")
+    p.add_argument("--bench-limit", type=int, default=0, help="at most N eval prompts (0 = all)")
+
+
+def _add_drafter_args(p: argparse.ArgumentParser) -> None:
+    """``distill``'s drafter flags: its size, copy term, self-prompts, starting weights, EAGLE-3 features."""
     p.add_argument("--sub-vocab", type=int, default=8192, help="head rows: most frequent target tokens")
     p.add_argument("--intermediate", type=int, default=1024, help="drafter MLP width")
     p.add_argument("--copy-ngram", type=int, default=0, metavar="N",
@@ -57,6 +72,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ttt-steps", type=int, default=3, metavar="K",
                    help="with --feature-layers: training-time test, the drafter unrolled K steps on its own "
                         "features with the loss on each (EAGLE-3)")
+
+
+def _add_data_args(p: argparse.ArgumentParser) -> None:
+    """``distill``'s data and loss flags: teacher-forced text, time budget, windows, continuations, losses."""
     p.add_argument("--text-corpus", default=None, nargs="+", metavar="PATH",
                    help="also teacher-force the target on the text files under these paths (documentation, "
                         "READMEs, licences, source code): prefill passes only")
@@ -82,15 +101,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--unroll-weight", type=float, default=0.5,
                    help="loss weight of the unrolled pass (own features); with --feature-layers, of each "
                         "training-time-test step after the first")
-    p.add_argument("--no-chat", dest="chat", action="store_false", help="prompts without the chat template")
-    p.add_argument("--export-only", action="store_true",
-                   help="with --resume: write DIR/drafter from the latest checkpoint (a run stopped early)")
-    p.add_argument("--bench", default=None, metavar="DRAFTER_DIR",
-                   help="instead of training: benchmark a distilled drafter ('default' = the shipped one) on the "
-                        "--split eval prompts vs autoregressive, ngram and the truncated target; results in --out")
-    p.add_argument("--bench-gammas", default="2,3,4,5")
-    p.add_argument("--bench-per-category", type=int, default=0, help="limit eval prompts per category (0 = all)")
-    p.add_argument("--bench-limit", type=int, default=0, help="at most N eval prompts (0 = all)")
 
 
 def trainer(arch: str):

@@ -42,8 +42,7 @@ def generate_prompts(args) -> list[dict]:
 
 def cmd_generate(args) -> int:
     from specjax.api import generate_text
-    from specjax.io.loading import conversion_cached, recording_loads
-    from specjax.runtime.progress import Progress, phase
+    from specjax.runtime.progress import Progress
 
     s = resolve(args)
     prompts = generate_prompts(args)
@@ -59,21 +58,8 @@ def cmd_generate(args) -> int:
 
         mesh = sharding.MeshSpec.parse(args.mesh)
     progress = None if os.environ.get("SPECJAX_NO_PROGRESS") else Progress()
-    model = "the default model (SmolLM2-135M-Instruct)" if s["model"] in (None, "default") else s["model"]
-    drafting = s["draft"] not in (None, "none")
-    draft = {"default": "its shipped drafter"}.get(s["draft"], f"drafter {s['draft']}")
-    # --dtype auto: time the target's step as this run calls it (γ + 1 tokens when speculating with a set γ)
     tree = s["tree"]
-    step_tokens = (tree.nodes + 1 if tree is not None else gamma + 1) if drafting and gamma != "auto" else 1
-    preloaded = resolve_auto_dtype(s, progress, tokens=step_tokens, mesh=mesh)
-    what = (f"loading {draft}" if preloaded is not None else f"loading {model}" + (f" and {draft}" if drafting else ""))
-    # the converted weights of an earlier run (specjax.io.convcache): no GGUF reader, no conversion
-    cached = preloaded is None and mesh is None and conversion_cached(s["model"], s["dtype"])
-    with phase(progress if preloaded is None or drafting else None,
-               what + f" ({s['dtype']}{', cached conversion' if cached else ''})") as ph, recording_loads() as loads:
-        target, drafter = load_target_and_drafter(s, mesh=mesh, target=preloaded, cap_note=False)
-        if cached and not (loads and loads[0]["cached"]):  # the target's load came first
-            ph.detail = " (converted again)"
+    target, drafter = _load_for_generate(s, gamma, mesh, progress)
     check_logprobs(args.logprobs, target.config.vocab_size)
     chat = chat_default(target, s["chat"])
     if s["max_new_tokens_given"] and target.tokenizer is not None:  # the cap of each prompt, said once
@@ -93,6 +79,46 @@ def cmd_generate(args) -> int:
         progress.note(f"generating ({method}; {'chat template' if chat else 'raw text, no chat template'}"
                       f"{'' if s['chat'] is not None else ' (the default for this model; --chat/--no-chat to choose)'}"
                       f"{'; streaming' if stream else ''})")
+    on_text, on_done = _printers(args, prompts, stream, drafter)
+    generate_text(
+        target, [p["prompt"] for p in prompts], drafter=drafter, gamma=gamma,
+        **({} if tree is None or drafter is None else
+           dict(tree_nodes=tree.nodes, tree_depth=tree.depth, tree_topk=tree.topk)),
+        max_new_tokens=s["max_new_tokens"], sampling=s["sampling"], seed=args.seed, chat=chat, batch_size=args.batch_size, ignore_eos=args.ignore_eos,
+        stop=args.stop, logprobs=args.logprobs, on_text=on_text if stream else None, on_done=on_done,
+        progress=progress, parse_special=s["parse_special"],
+    )
+    return 0
+
+
+def _load_for_generate(s: dict, gamma, mesh, progress):
+    """``generate``'s target and drafter, loaded in one progress phase that names them (``--dtype
+    auto`` resolved first, timing the target's step as this run calls it); ``(target, drafter)``."""
+    from specjax.io.loading import conversion_cached, recording_loads
+    from specjax.runtime.progress import phase
+
+    model = "the default model (SmolLM2-135M-Instruct)" if s["model"] in (None, "default") else s["model"]
+    drafting = s["draft"] not in (None, "none")
+    draft = {"default": "its shipped drafter"}.get(s["draft"], f"drafter {s['draft']}")
+    # --dtype auto: time the target's step as this run calls it (γ + 1 tokens when speculating with a set γ)
+    tree = s["tree"]
+    step_tokens = (tree.nodes + 1 if tree is not None else gamma + 1) if drafting and gamma != "auto" else 1
+    preloaded = resolve_auto_dtype(s, progress, tokens=step_tokens, mesh=mesh)
+    what = (f"loading {draft}" if preloaded is not None else f"loading {model}" + (f" and {draft}" if drafting else ""))
+    # the converted weights of an earlier run (specjax.io.convcache): no GGUF reader, no conversion
+    cached = preloaded is None and mesh is None and conversion_cached(s["model"], s["dtype"])
+    with phase(progress if preloaded is None or drafting else None,
+               what + f" ({s['dtype']}{', cached conversion' if cached else ''})") as ph, recording_loads() as loads:
+        target, drafter = load_target_and_drafter(s, mesh=mesh, target=preloaded, cap_note=False)
+        if cached and not (loads and loads[0]["cached"]):  # the target's load came first
+            ph.detail = " (converted again)"
+    return target, drafter
+
+
+def _printers(args, prompts: list[dict], stream: bool, drafter):
+    """``generate``'s ``(on_text, on_done)``: the streamed text on stdout, and each prompt's result
+    as soon as its batch is done (``--json``: one JSON object; else the text, ``--logprobs`` and a
+    stderr summary line)."""
 
     def on_text(i, piece):
         sys.stdout.write(piece)
@@ -118,15 +144,7 @@ def cmd_generate(args) -> int:
         print(f"[{st['new_tokens']} tokens, {st['tokens_per_s']:.1f} tokens/s{extra}, "
               f"finish: {st['finish_reason']}]", file=sys.stderr, flush=True)
 
-    generate_text(
-        target, [p["prompt"] for p in prompts], drafter=drafter, gamma=gamma,
-        **({} if tree is None or drafter is None else
-           dict(tree_nodes=tree.nodes, tree_depth=tree.depth, tree_topk=tree.topk)),
-        max_new_tokens=s["max_new_tokens"], sampling=s["sampling"], seed=args.seed, chat=chat, batch_size=args.batch_size, ignore_eos=args.ignore_eos,
-        stop=args.stop, logprobs=args.logprobs, on_text=on_text if stream else None, on_done=on_done,
-        progress=progress, parse_special=s["parse_special"],
-    )
-    return 0
+    return on_text, on_done
 
 
 def auto_gamma(target, drafter, prompts, s: dict, args, chat: bool, progress) -> int | None:

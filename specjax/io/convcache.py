@@ -48,8 +48,8 @@ import numpy as np
 # (they are hashed too, so an edit of them alone needs no bump).
 CONVERTER_VERSION = 1
 # The modules whose code decides the converted arrays and the tokenizer (relative to specjax/).
-CONVERTER_SOURCES = ("io/convcache.py", "io/loading.py", "io/gguf.py", "io/tokenizer.py", "models/config.py",
-                     "models/weights.py", "models/llama.py")
+CONVERTER_SOURCES = ("io/convcache.py", "io/loading.py", "io/assemble.py", "io/hf.py", "io/gguf.py",
+                     "io/tokenizer.py", "models/config.py", "models/weights.py", "models/llama.py")
 MAX_ENTRY_BYTES = 8 << 30  # larger conversions are not cached (a copy of a 7B float32 model is 28 GB)
 SOURCES_FILE = "sources.json"
 _SOURCES_KEPT = 256  # remembered file hashes (the least recently stored are dropped)

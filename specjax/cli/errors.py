@@ -1,0 +1,69 @@
+"""The command line's one-line messages (part of :mod:`specjax.cli.common`, which re-exports
+them): :class:`UsageError`, the parser whose errors are one line, ``specjax: note:`` lines, and
+the one-line text of every user error (:func:`describe_error`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from specjax.models.config import CheckpointError
+
+
+class UsageError(ValueError):
+    """A bad command-line value (reported as one line, exit status 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse errors as one line ``specjax: error: …`` (exit status 2) naming the command and
+    pointing at ``--help``, instead of a usage block (subparsers inherit this class)."""
+
+    def error(self, message):
+        self.exit(2, f"specjax: error: {message} (see `{self.prog} --help`)\n")
+
+
+def note(msg: str) -> None:
+    """One stderr line ``specjax: note: …`` (something was adjusted, nothing failed)."""
+    print(f"specjax: note: {msg}", file=sys.stderr)
+
+
+def describe_error(e: BaseException) -> str:
+    """The one-line text of a user-facing error: OS errors name the path and say what to do;
+    file-format errors (not UTF-8, bad TOML/JSON, a corrupt safetensors file) name the file
+    where the raiser did not."""
+    import tomllib
+
+    if isinstance(e, OSError) and e.filename is not None and not isinstance(e, FileNotFoundError):
+        path = e.filename
+        fix = {
+            IsADirectoryError: "it is a directory; give a file",
+            NotADirectoryError: "a part of the path is a file, not a directory; choose another path",
+            PermissionError: "permission denied; choose a path you may read/write or fix its permissions",
+            FileExistsError: "it already exists; choose another path",
+        }.get(type(e), f"{e.strerror or e}")
+        return f"{path}: {fix}"
+    if isinstance(e, FileNotFoundError) and e.filename is not None:
+        return f"{e.filename}: no such file or directory; check the path"
+    if isinstance(e, UnicodeDecodeError):
+        return f"input is not valid UTF-8 ({e.reason} at byte {e.start}); save it as UTF-8"
+    if isinstance(e, tomllib.TOMLDecodeError):
+        return f"not valid TOML ({e}); fix the syntax"
+    if isinstance(e, json.JSONDecodeError):
+        return f"not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); fix the syntax"
+    if type(e).__name__ == "SafetensorError":
+        return f"a safetensors file is truncated or corrupt ({e}); re-download or re-save the checkpoint"
+    return str(e)
+
+
+def _user_errors() -> tuple:
+    """Exception types ``main()`` reports as one line: usage, checkpoint and file-format errors
+    (all ValueError subclasses: JSON, TOML, UnicodeDecodeError), OS errors, SafetensorError."""
+    types = [UsageError, ValueError, CheckpointError, OSError]
+    try:
+        from safetensors import SafetensorError
+
+        types.append(SafetensorError)
+    except ImportError:  # pragma: no cover
+        pass
+    return tuple(types)

@@ -1,0 +1,121 @@
+"""Parameters from checkpoint tensors (part of :mod:`specjax.io.loading`, which re-exports it):
+:func:`assemble_params` checks every expected tensor's presence and shape, joins the parts of a
+fused weight, quantizes int8 formats and places each tensor on its device; the abstract model
+it fills is built quickly (:func:`_abstract_model`)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from specjax.models import llama
+from specjax.models.config import CheckpointError, ModelConfig
+from specjax.models.llama import flatten_params as _flat, unflatten_params as _unflat, weight_format as _dtype
+
+
+def assemble_params(
+    cfg: ModelConfig,
+    tensors: Iterator[tuple[tuple, Any]],
+    dtype="float32",
+    place: Callable[[tuple, Any], jax.Array] | None = None,
+    source: str = "checkpoint",
+):
+    """Build ``(graphdef, params)`` from ``(path, array)`` pairs in specjax layout.
+
+    Every expected tensor must appear once with the right shape. A fused weight
+    (:attr:`specjax.models.weights.WeightSpec.parts`) may come whole or as its parts, at the
+    parts' paths (``("layers", 0, "wq")``, as the checkpoint loaders yield them): the parts are
+    kept until the last one arrives, then concatenated (:func:`specjax.models.weights.fuse`).
+
+    Args:
+      tensors: iterator of ``(param path tuple, array)``, e.g. ``(("layers", 0, "wq"), w)`` or
+        ``(("layers", 0, "w_qkv"), w)``.
+      dtype: parameter dtype.
+      place: ``(path, array) -> jax.Array`` placing one tensor (device / sharding);
+        default ``jax.device_put``. An object with ``for_config(cfg, dtype)`` is first
+        bound to the config (see :class:`specjax.runtime.sharding.Placer`).
+
+    Raises:
+      CheckpointError: naming every missing tensor, or an unexpected/mis-shaped one.
+    """
+    dt = _dtype(dtype)
+    if place is not None and hasattr(place, "for_config"):  # e.g. specjax.runtime.sharding.Placer:
+        place = place.for_config(cfg, dt)  # head-sharding depends on head counts, not only shapes
+    graphdef, abstract = _abstract_model(cfg, str(dt))
+    expected = {tuple(p): v for p, v in _flat(nnx.to_pure_dict(abstract))}
+    got: dict[tuple, jax.Array] = {}
+    pending: dict[tuple, dict] = {}  # fused weight path -> {part name: array} so far
+    for path, arr in tensors:
+        fused = llama.part_of(path[-1]) if path not in expected else None
+        if fused is not None and path[:-1] + (fused[0].name,) in expected:
+            spec, part = fused
+            want = tuple(part.shape(cfg))
+            if tuple(arr.shape) != want:
+                raise CheckpointError(f"{source}: tensor {_name(path)} has shape {tuple(arr.shape)}, expected {want}")
+            path = path[:-1] + (spec.name,)
+            have = pending.setdefault(path, {})
+            have[part.name] = arr
+            if len(have) < len(spec.parts):
+                continue
+            arr = llama.fuse(spec, cfg, [have[q.name] for q in spec.parts])
+            del pending[path]
+        if path not in expected:
+            raise CheckpointError(f"{source}: unexpected tensor {_name(path)} (shape {tuple(arr.shape)}) "
+                                  f"for a {cfg.model_type} model with this config")
+        want = tuple(expected[path].shape)
+        if tuple(arr.shape) != want:
+            raise CheckpointError(f"{source}: tensor {_name(path)} has shape {tuple(arr.shape)}, expected {want}")
+        items = [(path, arr)]
+        spec = llama.weight_spec(path[-1])
+        if dt == "int8" and spec is not None and spec.quant_axis is not None:  # per-channel int8 + float32 scale
+            q, scale = llama.quantize_int8(arr, axis=spec.quant_axis)
+            items = [(path, q), (path[:-1] + (path[-1] + "_scale",), scale)]
+        for p, a in items:
+            a = jnp.asarray(a, dtype=expected[p].dtype)
+            got[p] = place(p, a) if place else jax.device_put(a)
+    missing = []
+    for p in expected:
+        spec = llama.weight_spec(p[-1])
+        if p in got or spec is None:  # present, or an int8 scale (named with its weight)
+            continue
+        have = pending.get(p, {})
+        missing += [p[:-1] + (t.name,) for t in spec.tensors() if t.name not in have] if spec.parts else [p]
+    if missing:
+        names = ", ".join(_name(p) for p in missing[:8]) + (" …" if len(missing) > 8 else "")
+        raise CheckpointError(f"{source}: {len(missing)} missing tensor(s): {names}")
+    return graphdef, _state(abstract, got)
+
+
+class _FixedKeys:
+    """A stand-in for ``nnx.Rngs`` when only shapes are built: ``params()`` is a fixed key."""
+
+    @staticmethod
+    def params():
+        return jax.random.key(0)
+
+
+def _abstract_model(cfg: ModelConfig, fmt: str):
+    """:func:`specjax.models.llama.abstract_model` (the same graphdef and abstract state), built
+    ~5× faster: under ``eval_shape`` every ``nnx.Rngs`` draw updates its counter variable, and
+    flax 0.12's ``Variable.set_value`` then reads ``tracer.sharding``, whose error message walks
+    the whole trace so far (quadratic: 1.3 of 1.9 s for SmolLM2-135M). Shapes do not depend on
+    the keys, so a fixed key does. Any failure falls back to ``llama.abstract_model``."""
+    try:
+        model = nnx.eval_shape(lambda: llama.Transformer(cfg, fmt=fmt, rngs=_FixedKeys()))
+        return nnx.split(model)
+    except Exception:  # a model whose construction needs more of nnx.Rngs
+        return llama.abstract_model(cfg, fmt)
+
+
+def _state(abstract, got: dict):
+    """The ``nnx.State`` of ``abstract`` holding the arrays ``{param path: array}``."""
+    params = nnx.State(abstract)
+    nnx.replace_by_pure_dict(params, _unflat(got))
+    return params
+
+
+def _name(path):
+    return ".".join(str(p) for p in path)

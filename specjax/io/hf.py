@@ -1,0 +1,159 @@
+"""Hugging Face checkpoints (part of :mod:`specjax.io.loading`, which re-exports them): safetensors
+tensors mapped by the weight table (:data:`specjax.models.weights.WEIGHTS`), ``config.json`` read
+with errors naming the file, hub downloads, the refusal of pickle files, and the ``config.json``
+of a saved model (:func:`hf_config_dict`)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+from specjax.io.files import read_utf8
+from specjax.models import llama
+from specjax.models.config import CheckpointError, ModelConfig
+
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+
+
+def _hf_tensor_path(name: str, cfg: ModelConfig, names: dict | None = None):
+    """Map a HF tensor name to ``(specjax path, transpose)`` by the weight table
+    (:data:`specjax.models.weights.WEIGHTS`; a part of a fused weight at the part's path);
+    ``None`` for tensors to skip (RoPE buffers, the copy of a tied head). ``names``:
+    ``llama.checkpoint_names(cfg, "hf")`` if already built.
+
+    Raises:
+      CheckpointError: a name the table does not have for this config.
+    """
+    if name.endswith("rotary_emb.inv_freq"):
+        return None
+    hit = (names if names is not None else llama.checkpoint_names(cfg, "hf")).get(name)
+    if hit is None:
+        raise CheckpointError(f"unexpected tensor {name!r} for a {cfg.model_type} model")
+    path, spec, tensor = hit
+    if spec.tied_to is not None and not spec.present(cfg):
+        return None
+    return path, tensor.hf_transpose
+
+
+def _safetensor_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(path, s) for s in shards]
+        missing = [f for f in files if not os.path.exists(f)]
+        if missing:
+            raise CheckpointError(f"{path}: shard(s) named in the index are missing: {missing}")
+        return files
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if files:
+        return files
+    pickles = [f for f in os.listdir(path) if f.endswith(_PICKLE_SUFFIXES)]
+    if pickles:
+        raise CheckpointError(
+            f"{path} holds only pickle weight files ({', '.join(sorted(pickles))}); specjax never unpickles "
+            "(it can run arbitrary code). Convert to safetensors: "
+            "`AutoModelForCausalLM.from_pretrained(path).save_pretrained(path, safe_serialization=True)`."
+        )
+    raise CheckpointError(f"{path} has no model.safetensors (or sharded index)")
+
+
+def iter_hf_tensors(path: str, cfg: ModelConfig):
+    """Yield ``(specjax path, array in specjax layout)`` from the safetensors files in ``path``."""
+    from safetensors import safe_open
+
+    names = llama.checkpoint_names(cfg, "hf")
+    for file in _safetensor_files(path):
+        try:
+            with safe_open(file, framework="flax") as f:
+                for name in f.keys():
+                    target = _hf_tensor_path(name, cfg, names)
+                    if target is None:
+                        continue
+                    p, tr = target
+                    t = f.get_tensor(name)
+                    yield p, (t.T if tr else t)
+        except CheckpointError:
+            raise
+        except Exception as e:  # safetensors.SafetensorError, or an OSError from the mmap
+            if type(e).__name__ != "SafetensorError" and not isinstance(e, (OSError, ValueError)):
+                raise
+            raise CheckpointError(f"{file}: not a readable safetensors file, truncated or corrupt "
+                                  f"({' '.join(str(e).split())}); re-download or re-save the checkpoint") from None
+
+
+def _resolve_hub(model_id: str) -> str:
+    """Download (or find in the local cache) a hub checkpoint; clear error when offline."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(
+            model_id,
+            allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.jinja"],
+        )
+    except Exception as e:  # offline, unknown repo, gated, …
+        raise CheckpointError(
+            f"could not get {model_id!r} from the Hugging Face hub ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). "
+            "If you are offline, pass a local directory with config.json, model.safetensors and tokenizer.json "
+            "(or a .gguf file)."
+        ) from None
+
+
+def _read_hf_config(cfg_file: str) -> ModelConfig:
+    """``ModelConfig`` from a ``config.json``; a file that is not UTF-8 JSON, not an object, or
+    lacks / mistypes a key raises :class:`CheckpointError` naming the file (and the line)."""
+    text = read_utf8(cfg_file, CheckpointError, "re-download or re-save the checkpoint")
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_file}:{e.lineno}: not valid JSON ({e.msg}, column {e.colno}); "
+                              "fix the file or re-download the checkpoint") from None
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{cfg_file}: expected a JSON object (a Hugging Face config), got {type(d).__name__}")
+    try:
+        return ModelConfig.from_hf_config(d)
+    except CheckpointError:
+        raise
+    except KeyError as e:
+        raise CheckpointError(f"{cfg_file}: missing key {e.args[0]!r}; not a complete Hugging Face config") from None
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+        raise CheckpointError(f"{cfg_file}: a value has the wrong type or range ({e})") from None
+
+
+def _looks_like_hub_id(s: str) -> bool:
+    parts = str(s).split("/")
+    return len(parts) == 2 and all(parts) and not str(s).startswith((".", "/", "~"))
+
+
+def hf_config_dict(cfg: ModelConfig) -> dict:
+    """A Hugging Face ``config.json`` dict for ``cfg`` (round-trips through ``from_hf_config``)."""
+    arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}[cfg.model_type]
+    d = {
+        "architectures": [arch],
+        "model_type": cfg.model_type,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
+    }
+    if cfg.model_type == "llama":
+        d["attention_bias"] = cfg.attention_out_bias
+    if cfg.model_type == "mistral":
+        d["sliding_window"] = None
+    if cfg.rope_scaling:
+        d["rope_scaling"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.rope_scaling}
+    if cfg.bos_token_id is not None:
+        d["bos_token_id"] = cfg.bos_token_id
+    if cfg.eos_token_ids:
+        d["eos_token_id"] = cfg.eos_token_ids[0] if len(cfg.eos_token_ids) == 1 else list(cfg.eos_token_ids)
+    return d
