@@ -123,3 +123,15 @@ def test_one_chat_template_rule():
     assert chat_default(with_template, None) is True and chat_default(without, None) is False
     assert chat_default(SimpleNamespace(tokenizer=None), None) is False
     assert chat_default(with_template, False) is False and chat_default(without, True) is True
+
+
+def test_logit_bias_outside_the_vocabulary_fails_before_loading(tmp_path, capsys, monkeypatch):
+    """A pair config's logit_bias naming an id outside the vocabulary: one line, exit 2, no model load."""
+    from specjax.cli import main
+
+    cfg = tmp_path / "bias.toml"
+    cfg.write_text('[logit_bias]\n"99999" = 5.0\n')
+    monkeypatch.setattr("specjax.io.loading.load_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
+    assert main(["generate", "--config", str(cfg), "x"]) == 2
+    err = capsys.readouterr().err
+    assert "logit_bias names token id 99999, outside the vocabulary [0, 49152)" in err, err

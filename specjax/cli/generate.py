@@ -49,6 +49,11 @@ def cmd_generate(args) -> int:
     gamma = parse_gamma(s["gamma"])
     # before the model loads: the vocabulary size from the GGUF metadata or config.json (a hub id: after the load)
     check_logprobs(args.logprobs, None if args.logprobs is None else peek_vocab_size(s["model"]))
+    bias = dict(s["sampling"].logit_bias)
+    vocab = peek_vocab_size(s["model"]) if bias else None
+    if vocab is not None and max(bias) >= vocab:
+        raise UsageError(f"logit_bias names token id {max(bias)}, outside the vocabulary [0, {vocab}); use ids "
+                         f"below {vocab}")
     args.stop = [unescape(x) for x in args.stop or []]
     if any(not x for x in args.stop):
         raise UsageError("--stop needs a non-empty string")
