@@ -68,3 +68,29 @@ def chi2_pvalue(counts, probs, min_expected: float = MIN_EXPECTED) -> float:
     res = chi2_test(counts, probs, min_expected)
     assert res.impossible == 0, f"{res.impossible} samples on outcomes of probability 0"
     return res.pvalue
+
+
+R_ACCEPT = np.float32(0.0)  # a uniform that accepts x_i iff p_i(x_i) > 0
+R_REJECT = np.float32(1 - 2**-24)  # the largest uniform: rejects x_i iff p_i(x_i) < q_i(x_i)
+
+
+def chain_events(draft, qs, ps):
+    """Every "first rejection at position j" event of one chain round with the draft ``draft``
+    (j = γ: all accepted): yields ``(probability, uniforms [γ], j)``. The probability is
+    Π q_i(x_i) · Π_{i<j} a_i · (1 − a_j) with a_i = min(1, p_i(x_i) / q_i(x_i)) in float64 (Leviathan et
+    al. 2023); the uniforms realize the event through the real ``verify``. ``qs [γ, V]``, ``ps [γ+1, V]``."""
+    gamma = len(draft)
+    q_x = qs[np.arange(gamma), draft].astype(np.float64)
+    if np.prod(q_x) == 0:
+        return
+    p_x = ps[np.arange(gamma), draft].astype(np.float64)
+    a = np.minimum(1.0, p_x / q_x)
+    for j in range(gamma + 1):
+        prob = np.prod(q_x) * np.prod(a[:j]) * ((1 - a[j]) if j < gamma else 1.0)
+        if prob == 0:
+            continue
+        r = np.full(gamma, 0.5, np.float32)
+        r[:j] = R_ACCEPT
+        if j < gamma:
+            r[j] = R_REJECT
+        yield prob, r, j

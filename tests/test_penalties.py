@@ -23,6 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from stats_helpers import chain_events
+
 from specjax.core import tree as tree_ops
 from specjax.core.acceptance import verify
 from specjax.core.sampling import Sampling, SamplingParams, penalize, process_logits
@@ -34,8 +36,6 @@ EOS = 4
 STRONG = dict(temperature=1.0, repetition_penalty=2.0, frequency_penalty=1.0, presence_penalty=0.5)
 
 _verify = jax.jit(verify)
-R_ACCEPT = np.float32(0.0)  # accepts x_i iff p_i(x_i) > 0
-R_REJECT = np.float32(1 - 2**-24)  # rejects x_i iff p_i(x_i) < q_i(x_i)
 
 
 @functools.lru_cache(maxsize=None)
@@ -115,17 +115,7 @@ def chain_round(sp, out: tuple, gamma: int, ignore=False):
     for draft in itertools.product(range(V), repeat=gamma):
         qs = np.stack([q_probs(PROMPT + out + draft[:i]) for i in range(gamma)])
         ps = block_p(sp, out, np.asarray(draft, np.int32), sees, np.arange(gamma + 1), ignore)
-        q_x = qs[np.arange(gamma), draft].astype(np.float64)
-        p_x = ps[np.arange(gamma), draft].astype(np.float64)
-        a = np.minimum(1.0, p_x / q_x)
-        for j in range(gamma + 1):
-            prob = np.prod(q_x) * np.prod(a[:j]) * ((1 - a[j]) if j < gamma else 1.0)
-            if prob == 0:
-                continue
-            r = np.full(gamma, 0.5, np.float32)
-            r[:j] = R_ACCEPT
-            if j < gamma:
-                r[j] = R_REJECT
+        for prob, r, j in chain_events(draft, qs, ps):
             events.append((prob, draft, qs, ps, r, j))
     n = len(events)
     tokens = np.array([e[1] for e in events], np.int32)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from stats_helpers import chi2_pvalue
+from stats_helpers import R_REJECT, chain_events, chi2_pvalue
 
 from specjax.core.sampling import process_logits, sample
 from specjax.core.acceptance import verify, verify_row
@@ -29,8 +29,6 @@ _verify = jax.jit(verify)
 _verify_row = jax.jit(verify_row)
 _process = jax.jit(process_logits)
 
-R_ACCEPT = np.float32(0.0)  # accepts x_i iff p_i(x_i) > 0
-R_REJECT = np.float32(1 - 2**-24)  # largest uniform: rejects x_i iff p_i(x_i) < q_i(x_i)
 
 
 def _wrong_verify_row(draft_tokens, draft_probs, target_probs, uniforms, key, num_allowed):
@@ -96,19 +94,7 @@ def _round_events(prefix, target, drafter, gamma, num_allowed):
     for draft in itertools.product(range(vocab), repeat=gamma):
         qs = np.stack([drafter(prefix + draft[:i]) for i in range(gamma)])
         ps = np.stack([target(prefix + draft[:i]) for i in range(gamma + 1)])
-        q_x = qs[np.arange(gamma), draft].astype(np.float64)
-        if np.prod(q_x) == 0:
-            continue
-        p_x = ps[np.arange(gamma), draft].astype(np.float64)
-        a = np.minimum(1.0, p_x / q_x)
-        for j in range(gamma + 1):  # j == gamma: all accepted
-            prob = np.prod(q_x) * np.prod(a[:j]) * ((1 - a[j]) if j < gamma else 1.0)
-            if prob == 0:
-                continue
-            r = np.full(gamma, 0.5, np.float32)
-            r[:j] = R_ACCEPT
-            if j < gamma:
-                r[j] = R_REJECT
+        for prob, r, j in chain_events(draft, qs, ps):
             yield prob, draft, qs, ps, r, min(j, num_allowed)
 
 
