@@ -80,12 +80,15 @@ def test_spec_kinds(tmp_path):
     proposes trees is its drafter class's declaration (api.draft_spec_proposes_trees agrees)."""
     from specjax import api
 
-    ed, md = tmp_path / "ed", tmp_path / "md"
+    ed, md, bd = tmp_path / "ed", tmp_path / "md", tmp_path / "bd"
     ed.mkdir()
     md.mkdir()
+    bd.mkdir()
     (ed / "drafter.json").write_text("{}")
+    (bd / "block_drafter.json").write_text("{}")
     (md / "config.json").write_text("{}")
-    cases = {"ngram": "ngram", "ngram:5": "ngram", "default": "default", str(ed): "eagle", str(md): "model",
+    cases = {"ngram": "ngram", "ngram:5": "ngram", "default": "default", str(ed): "eagle", str(bd): "block",
+             str(md): "model",
              "org/name": "model", "x.gguf": "model"}
     for spec, name in cases.items():
         kind = registry.kind_of(spec)
@@ -95,7 +98,8 @@ def test_spec_kinds(tmp_path):
     assert not api.draft_spec_proposes_trees(None) and not api.draft_spec_proposes_trees("foo")
     with pytest.raises(ValueError, match="unknown --draft value 'foo'"):
         registry.kind_of("foo")
-    with pytest.raises(ValueError, match=r"the directory has no config.json \(a draft model\) or drafter.json "
+    with pytest.raises(ValueError, match=r"the directory has no config.json \(a draft model\) or block_drafter.json "
+                                         r"\(a block drafter from specjax distill\) or drafter.json "
                                          r"\(a drafter from specjax distill\)"):
         api.check_draft_spec(str(tmp_path))
     (ed / "drafter.json").write_text("{")
@@ -109,15 +113,17 @@ def test_training_entries():
     import importlib
 
     from specjax.cli.distill import trainer
+    from specjax.train.block_distill import run as run_block
     from specjax.train.distill import run
 
-    assert registry.trainable_kinds() == ["eagle"] and trainer("eagle") is run
+    assert registry.trainable_kinds() == ["block", "eagle"] and trainer("eagle") is run
+    assert trainer("block") is run_block
     for name in registry.trainable_kinds():
         module, _, fn = registry.KINDS[name].trainer.partition(":")
         assert callable(getattr(importlib.import_module(module), fn))
-    with pytest.raises(ValueError, match="'ngram' has no training entry; trainable kinds: eagle"):
+    with pytest.raises(ValueError, match="'ngram' has no training entry; trainable kinds: block, eagle"):
         trainer("ngram")
-    with pytest.raises(ValueError, match="unknown drafter kind; trainable kinds: eagle"):
+    with pytest.raises(ValueError, match="unknown drafter kind; trainable kinds: block, eagle"):
         trainer("nope")
 
 
@@ -127,7 +133,7 @@ def test_distill_arch_cli(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("SPECJAX_NO_CACHE", "1")
     assert cli.main(["distill", "--out", str(tmp_path / "run"), "--arch", "model"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "trainable kinds: eagle" in err and not (tmp_path / "run").exists()
+    assert err.count("\n") == 1 and "trainable kinds: block, eagle" in err and not (tmp_path / "run").exists()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arch", default="eagle", metavar="KIND",
                    help="the drafter kind to train (specjax.drafters.registry; trainable: "
                         f"{', '.join(registry.trainable_kinds())}). eagle: an EAGLE-style feature drafter, written "
-                        "as DIR/drafter (drafter.json + weights) for --draft DIR/drafter")
+                        "as DIR/drafter (drafter.json + weights) for --draft DIR/drafter; block: a DFlash-style "
+                        "parallel drafter (one pass drafts a block, see the block drafter options), written as "
+                        "DIR/drafter (block_drafter.json + weights). A --resume needs the run's --arch")
     p.add_argument("--prompts", default=None, help="JSONL prompts (Spec-Bench 'turns', 'prompt' or 'ids')")
     p.add_argument("--split", default=None, help="JSON {'train': [question ids], 'eval': [...]}")
     p.add_argument("--steps", type=int, default=1000)
@@ -34,12 +36,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "continuations kept once) instead of generating one")
     p.add_argument("--onpolicy-after", type=int, default=0)
     p.add_argument("--gamma", type=int, default=4,
-                   help="the draft depth γ (drafts per round) the drafter is trained for (a block drafter: its block "
-                        "size); recorded in DIR/run.json. The eagle kind's training does not depend on it: how far "
-                        "it looks ahead is set by its unrolled pass (--unroll-weight) or, with --feature-layers, "
-                        "--ttt-steps")
+                   help="the draft depth γ (drafts per round) the drafter is trained for (a block drafter trains "
+                        "--block-size instead); recorded in DIR/run.json. The eagle kind's training does not depend "
+                        "on it: how far it looks ahead is set by its unrolled pass (--unroll-weight) or, with "
+                        "--feature-layers, --ttt-steps")
     _add_drafter_args(p)
     _add_data_args(p)
+    _add_block_args(p)
     p.add_argument("--no-chat", dest="chat", action="store_false", help="prompts without the chat template")
     p.add_argument("--export-only", action="store_true",
                    help="with --resume: write DIR/drafter from the latest checkpoint (a run stopped early)")
@@ -101,6 +104,20 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--unroll-weight", type=float, default=0.5,
                    help="loss weight of the unrolled pass (own features); with --feature-layers, of each "
                         "training-time-test step after the first")
+
+
+def _add_block_args(p: argparse.ArgumentParser) -> None:
+    """``distill``'s block-drafter flags (``--arch block``, :mod:`specjax.train.block_distill`)."""
+    g = p.add_argument_group("block drafter (--arch block; it reads fused features: --feature-layers, default "
+                             "eagle3)")
+    g.add_argument("--block-size", type=int, default=8, metavar="N",
+                   help="draft tokens per block, the largest γ the drafter is trained for (a round may draft fewer)")
+    g.add_argument("--layers", type=int, default=2, help="drafter layers (Llama blocks of the target's width)")
+    g.add_argument("--anchors", type=int, default=16,
+                   help="blocks trained per window and step: anchor positions drawn at random from (seed, step)")
+    g.add_argument("--position-decay", type=float, default=None, metavar="TAU",
+                   help="loss weight of block slot i: exp(-(i-1)/TAU), normalized (later drafts count less, as "
+                        "DFlash); default: --block-size / 2")
 
 
 def trainer(arch: str):

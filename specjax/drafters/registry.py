@@ -7,6 +7,8 @@ A ``--draft`` value is ``none`` (no drafter) or belongs to the first kind of :da
 
 - ``ngram``: ``ngram`` or ``ngram:N``, prompt lookup (:class:`~specjax.drafters.ngram.NgramDrafter`);
 - ``default``: the EAGLE-3 drafter shipped for the default model (:mod:`specjax.io.shipped`);
+- ``block``: a block (DFlash-style parallel) drafter directory (``block_drafter.json``,
+  :class:`~specjax.drafters.block.BlockDrafter`): one drafter pass per round;
 - ``eagle``: a drafter directory written by ``specjax distill`` (``drafter.json``);
 - ``model``: a draft-model checkpoint (a directory with ``config.json``, a ``.gguf`` file) or a hub
   id — it takes every path or hub id the kinds before it did not (keep it last).
@@ -24,7 +26,8 @@ import os
 from typing import Any, Callable
 
 from specjax.core.drafting import MAX_NGRAM, Drafter
-from specjax.drafters import eagle
+from specjax.drafters import block, eagle
+from specjax.drafters.block import BlockDrafter
 from specjax.drafters.eagle import EagleDrafter
 from specjax.drafters.model import ModelDrafter
 from specjax.drafters.ngram import NgramDrafter
@@ -98,6 +101,11 @@ def _load_eagle(spec: str, target, dtype: str) -> EagleDrafter:
     return eagle.load_drafter(path, target, dtype=dtype, name=os.path.basename(os.path.normpath(path)))
 
 
+def _load_block(spec: str, target, dtype: str) -> BlockDrafter:
+    path = os.path.expanduser(spec)
+    return block.load_drafter(path, target, dtype=dtype, name=os.path.basename(os.path.normpath(path)))
+
+
 # --------------------------------------------------------------------------- model (a draft-model checkpoint or hub id)
 def _is_model(spec: str) -> bool:
     """Any path or hub id (the kinds before it took theirs): the checks name what is wrong."""
@@ -129,6 +137,9 @@ def _no_check(spec: str) -> None:
 KINDS: dict[str, DrafterKind] = {k.name: k for k in (
     DrafterKind("ngram", "n-gram prompt lookup", NgramDrafter, _is_ngram, _check_ngram, load=_load_ngram),
     DrafterKind("default", "the shipped drafter", EagleDrafter, lambda s: s == "default", _no_check),
+    DrafterKind("block", "a block drafter from specjax distill", BlockDrafter,
+                lambda s: _has_file(s, block.MARKER), _no_check, load=_load_block, marker=block.MARKER,
+                trainer="specjax.train.block_distill:run"),
     DrafterKind("eagle", "a drafter from specjax distill", EagleDrafter, lambda s: _has_file(s, "drafter.json"),
                 _no_check, load=_load_eagle, marker="drafter.json", trainer="specjax.train.distill:run"),
     DrafterKind("model", "a draft model", ModelDrafter, _is_model, _check_model, marker="config.json"),  # keep last

@@ -57,11 +57,11 @@ from specjax.train.loop import (TrainState, evaluate, format_alphas, make_eval_f
 from specjax.train.options import RUN_KEYS, check_args, check_out_dir, not_started
 from specjax.train.records import generation_order, make_split, read_records, read_split, round_robin
 
-__all__ = ["DistillError", "bench", "run"]
+__all__ = ["DistillError", "DistillRun", "bench", "load_run", "make_data", "open_run", "run", "split_indices"]  # the steps other trainers share
 
 
 @dataclasses.dataclass
-class _Run:
+class DistillRun:
     """What the steps of one run share: its settings ``s`` (``run.json``), directory, target,
     prompt records, split and whether prompts are chat-templated."""
 
@@ -108,9 +108,9 @@ def run(args) -> dict:
     tb = getattr(args, "time_budget", 0.0) or 0.0
     if not (math.isfinite(tb) and tb >= 0):
         raise DistillError(f"--time-budget must be a number of seconds >= 0 (0 = no limit), got {tb}")
-    r = _load(_open_run(args), args)
-    seqs, data = _make_data(r)
-    train_idx, eval_idx = _split_indices(seqs, r.ev_ids)
+    r = load_run(open_run(args), args)
+    seqs, data = make_data(r)
+    train_idx, eval_idx = split_indices(seqs, r.ev_ids)
     init, sub_ids = _sub_vocabulary(r.s, r.target, seqs, train_idx)
     sub_pos = sub_positions(sub_ids, r.target.config.vocab_size)
     cov = np.mean([sub_pos[t] >= 0 for i in eval_idx for t in seqs[i]["ids"][seqs[i]["prompt_len"]:]] or [1.0])
@@ -129,12 +129,14 @@ def run(args) -> dict:
     return {"out": r.out, "final": final, "train_s": train_s, "step": state.step}
 
 
-def _open_run(args) -> tuple[str, argparse.Namespace]:
-    """The run directory and its settings: a new run writes ``run.json`` (after the options
-    are checked); a resumed one reads it. Returns ``(out, settings)``."""
+def open_run(args, keys=RUN_KEYS) -> tuple[str, argparse.Namespace]:
+    """The run directory and its settings (``keys`` of ``args``; a block run adds
+    :data:`~specjax.train.options.BLOCK_KEYS`, ``arch`` among them): a new run writes ``run.json``
+    (after the options are checked); a resumed one reads it, refusing a run of another ``--arch``
+    (a run without ``arch`` is an eagle one). Returns ``(out, settings)``."""
     out = os.path.abspath(args.out)
     run_file = os.path.join(out, "run.json")
-    settings = {k: getattr(args, k) for k in RUN_KEYS}
+    settings = {k: getattr(args, k) for k in keys}
     if os.path.exists(out) and not os.path.isdir(out):
         raise DistillError(f"--out {out} is a file; give a directory for the run")
     resuming = os.path.exists(out) and bool(os.listdir(out)) and not not_started(out)
@@ -150,6 +152,10 @@ def _open_run(args) -> tuple[str, argparse.Namespace]:
             raise DistillError(f"{out} is not a specjax distill run (no run.json); refusing to touch it")
         with open(run_file) as f:
             saved = json.load(f)
+        arch = saved.get("arch", "eagle")
+        if arch != getattr(args, "arch", "eagle"):
+            raise DistillError(f"--resume: the run in {out} trains a drafter of kind {arch!r}; resume it with "
+                               f"--arch {arch}")
         settings = {k: saved.get(k, v) for k, v in settings.items()}
     s = argparse.Namespace(**settings)
     check_args(s, export_only=getattr(args, "export_only", False))  # before anything is written or loaded
@@ -166,7 +172,7 @@ def _open_run(args) -> tuple[str, argparse.Namespace]:
     return out, s
 
 
-def _load(opened: tuple[str, argparse.Namespace], args) -> _Run:
+def load_run(opened: tuple[str, argparse.Namespace], args) -> DistillRun:
     """Load the target, the prompts and the split (``--split`` or :func:`make_split`)."""
     from specjax.io.loading import load_model
 
@@ -178,10 +184,10 @@ def _load(opened: tuple[str, argparse.Namespace], args) -> _Run:
     if tr_ids & ev_ids:
         raise DistillError(f"the split is not disjoint: {sorted(tr_ids & ev_ids)[:5]} in both")
     chat = bool(s.chat) and target.tokenizer is not None and target.tokenizer.chat_template is not None
-    return _Run(s, out, target, records, tr_ids, ev_ids, chat)
+    return DistillRun(s, out, target, records, tr_ids, ev_ids, chat)
 
 
-def _make_data(r: _Run) -> tuple[list[dict], dict]:
+def make_data(r: DistillRun) -> tuple[list[dict], dict]:
     """Generate (or reuse, ``--data-dir``) the target data set and the self-prompt data set;
     returns them merged (:func:`specjax.train.data.collect_data`)."""
     s, out = r.s, r.out
@@ -209,7 +215,7 @@ def _make_data(r: _Run) -> tuple[list[dict], dict]:
     return collect_data(data_dirs)
 
 
-def _split_indices(seqs: list[dict], ev_ids: set) -> tuple[list[int], list[int]]:
+def split_indices(seqs: list[dict], ev_ids: set) -> tuple[list[int], list[int]]:
     """Mark each sequence's ``split`` and return ``(train indices, eval indices)``; the eval
     sequences are the greedy first-turn continuations of the eval questions."""
     for q in seqs:
@@ -265,7 +271,7 @@ def _init_drafter(s, target, sub_ids, init):
     return cfg, frozen, tp
 
 
-def _train(r: _Run, args, seqs, data, split_idx, sub_ids, sub_pos, init):
+def _train(r: DistillRun, args, seqs, data, split_idx, sub_ids, sub_pos, init):
     """Set up the optimizer and checkpoints (restoring the latest), then train (or, with
     ``--export-only``, only restore). ``split_idx``: ``(train indices, eval indices)``.
     Returns ``(cfg, TrainState, training seconds, indices of the fitted sequences)``."""
@@ -315,7 +321,7 @@ def _train(r: _Run, args, seqs, data, split_idx, sub_ids, sub_pos, init):
     return cfg, state, train_s, fit_idx
 
 
-def _add_onpolicy(r: _Run, cfg, params: dict, ds: dict) -> None:
+def _add_onpolicy(r: DistillRun, cfg, params: dict, ds: dict) -> None:
     """Drafter-generated, target-scored sequences from the train prompts (``params``: the
     drafter's of step ``onpolicy_after``; parts on disk, so a resume regenerates nothing it
     has) added to the training windows ``ds`` (in place): with ``--data drafter`` they

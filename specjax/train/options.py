@@ -14,6 +14,8 @@ RUN_KEYS = ("model", "prompts", "split", "steps", "seed", "batch_size", "lr", "e
             "warmup", "checkpoint_every", "chat", "weight_decay", "max_prompt_tokens", "onpolicy_after", "gamma",
             "data_dir", "ce", "samples_per_prompt", "data_temperature", "copy_ngram", "init_from", "self_prompts",
             "train_only", "feature_layers", "ttt_steps", "text_corpus", "text_tokens", "text_window")
+# what a block-drafter run (--arch block, :mod:`specjax.train.block_distill`) records besides RUN_KEYS
+BLOCK_KEYS = ("arch", "block_size", "layers", "anchors", "position_decay")
 
 
 # (option, smallest allowed value, what it means) for distill's numeric options
@@ -55,6 +57,8 @@ def check_args(s, export_only: bool = False) -> None:
     seed = getattr(s, "seed", 0)
     if not 0 <= seed < 2**64:
         raise DistillError(f"--seed must be in [0, 2**64), got {seed}")
+    if getattr(s, "arch", None) == "block":
+        check_block_args(s)
     if getattr(s, "copy_ngram", 0) and s.data != "target":
         raise DistillError("--copy-ngram trains on target data only (--data target): on-policy generation has no "
                            "copy term yet")
@@ -99,6 +103,43 @@ def check_args(s, export_only: bool = False) -> None:
         ids = {r["question_id"] for r in records}
         if not ids & set(x for x in split["train"] + split["eval"] if isinstance(x, (int, str))):
             raise DistillError(f"--split {s.split}: none of its question ids is in {s.prompts}")
+
+
+def check_block_args(s) -> None:
+    """The options of a block-drafter run (``--arch block``): ``--block-size``, ``--layers``,
+    ``--anchors`` (integers >= 1), ``--position-decay`` (> 0), a block shorter than ``--window``,
+    and no EAGLE-only option (copy term, ``--train-only``, on-policy data); ``--init-from`` must be a
+    block drafter directory. Nothing is read but ``--init-from``'s marker file.
+
+    Raises:
+      DistillError: one line naming the option and the fix.
+    """
+    import math
+
+    from specjax.drafters.block import MARKER
+
+    for name, what in (("block_size", "draft tokens per block, the γ trained"), ("layers", "drafter layers"),
+                       ("anchors", "blocks per window per step")):
+        v = getattr(s, name, None)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise DistillError(f"{_flag(name)} must be an integer >= 1 ({what}), got {v}")
+    pd = getattr(s, "position_decay", None)
+    if not (isinstance(pd, (int, float)) and math.isfinite(pd) and pd > 0):
+        raise DistillError(f"--position-decay must be a finite number > 0 (decay length of the per-slot loss "
+                           f"weights; default --block-size / 2), got {pd}")
+    if s.window is not None and s.block_size >= s.window:
+        raise DistillError(f"--block-size {s.block_size} must be smaller than --window {s.window} (an anchor needs "
+                           "context before it and a label per slot after it): lower --block-size or raise --window")
+    for name, bad, fix in (("copy_ngram", bool(getattr(s, "copy_ngram", 0)), "drop --copy-ngram"),
+                           ("train_only", getattr(s, "train_only", None) is not None, "drop --train-only"),
+                           ("data", getattr(s, "data", "target") != "target", "use --data target")):
+        if bad:
+            raise DistillError(f"{_flag(name)} is an EAGLE-drafter option; --arch block trains on target data "
+                               f"only, without a copy term: {fix}")
+    init = getattr(s, "init_from", None)
+    if init and not os.path.isfile(os.path.join(os.path.expanduser(init), MARKER)):
+        raise DistillError(f"--init-from {init}: not a block drafter (no {MARKER}); give the DIR/drafter of a "
+                           "specjax distill --arch block run")
 
 
 def not_started(out: str) -> bool:
