@@ -571,7 +571,6 @@ REAL_TEXTS = ["Hi! How are you today?", "What is 2+2?", "Write a haiku about the
               "Explain photosynthesis in one paragraph for a child."]
 REAL_NEW = 32
 REAL_TREES = [(8, 4, 2), (16, 5, 3)]
-REAL_GAMMAS = [1, 4]
 
 
 @pytest.mark.tree_gate
@@ -579,9 +578,10 @@ REAL_GAMMAS = [1, 4]
 def test_real_model_greedy_tree_equals_autoregressive(fmt):
     """The default model (SmolLM2-135M-Instruct) in float32 and int8 with the shipped drafter
     (``--draft default``) and n-gram lookup: greedy tree speculation == greedy autoregressive on
-    4 chat prompts × 32 tokens, batch 4 and batch 1 (float32: up to a detected near-tie; int8:
-    exactly); prints τ (new tokens ÷ target calls, pooled over the prompts) for each tree shape
-    and the chains γ 1 and 4 (not an assertion: a measurement)."""
+    4 chat prompts × 32 tokens, batch 4 and (the larger tree) batch 1 (float32: up to a detected near-tie; int8:
+    exactly); prints τ (new tokens ÷ target calls, pooled over the prompts) for each tree shape (not
+    an assertion: a measurement). The same drafters' chains (γ 1 and 4) against autoregressive
+    decoding in every format: the gate matrix (tests/test_batch_invariance.py)."""
     from specjax.api import encode_prompts, load_drafter
     from specjax.io.loading import load_model
 
@@ -595,11 +595,6 @@ def test_real_model_greedy_tree_equals_autoregressive(fmt):
 
     for spec in ("default", "ngram"):
         drafter = load_drafter(spec, model, dtype=fmt)
-        for g in REAL_GAMMAS:
-            res = make_decoder(model, drafter, g).generate(prompts, max_new_tokens=REAL_NEW, eos_ids=[])
-            taus[f"{spec} γ{g}"] = tau(res)
-            for j, p in enumerate(prompts):
-                exact &= check_greedy(model, p, ar[j], res.tokens[j], REAL_NEW, [], f"{fmt} {spec} γ{g} row {j}")
         for shape in REAL_TREES:
             dec = make_decoder(model, drafter, tree=shape)
             res = dec.generate(prompts, max_new_tokens=REAL_NEW, eos_ids=[])
@@ -607,7 +602,7 @@ def test_real_model_greedy_tree_equals_autoregressive(fmt):
             taus[f"{spec} tree N{shape[0]}/D{shape[1]}/K{shape[2]}"] = tau(res)
             for j, p in enumerate(prompts):
                 exact &= check_greedy(model, p, ar[j], res.tokens[j], REAL_NEW, [], f"{fmt} {spec} {shape} row {j}")
-            for j in range(3):  # batch 1
+            for j in range(3 if shape == REAL_TREES[-1] else 0):  # batch 1 (the larger tree: one program per drafter)
                 one = dec.generate([prompts[j]], max_new_tokens=REAL_NEW, eos_ids=[])
                 exact &= check_greedy(model, prompts[j], ar[j], one.tokens[0], REAL_NEW, [],
                                       f"{fmt} {spec} {shape} alone, prompt {j}")
