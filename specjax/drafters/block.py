@@ -49,7 +49,7 @@ from specjax.core.dynamic_tree import build_dynamic_tree
 from specjax.core.sampling import sample
 from specjax.drafters import block_net
 from specjax.drafters.block_net import BlockConfig
-from specjax.drafters.eagle_files import fingerprint_mismatch, target_fingerprint
+from specjax.drafters.eagle_files import check_trained_for, target_fingerprint
 from specjax.drafters.eagle_net import full_logits
 from specjax.drafters.eagle_params import block_weights, frozen_params
 from specjax.models import weights
@@ -228,11 +228,7 @@ def load_drafter(path, target, dtype: str = "float32", name: str | None = None, 
     except (FileNotFoundError, OSError, ValueError) as e:
         raise CheckpointError(f"{path}: not a block drafter directory ({e})") from None
     if check:
-        why = fingerprint_mismatch(meta.get("target_fingerprint") or {}, target_fingerprint(target))
-        if why:
-            raise CheckpointError(
-                f"the block drafter in {path} was trained for target {meta.get('target_name')!r}, not for "
-                f"{target.name!r} ({why}); use --draft ngram, or train one for it with `specjax distill --arch block`")
+        check_trained_for(meta, target, path, "block drafter", " --arch block")
     try:
         cfg = BlockConfig.from_json(meta["config"], target.config)
         tp = unflat_trainable({k: v for k, v in tensors.items() if k != "sub_ids"}, cfg)

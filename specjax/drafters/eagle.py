@@ -62,7 +62,7 @@ import numpy as np
 from specjax.core.drafting import DraftContext, Drafter, Proposal, TreeProposal, TreeShape
 from specjax.core.tree import DraftTree, block_attention_mask, build_dynamic_tree, positions
 from specjax.drafters.eagle_files import (  # noqa: F401  (the files, re-exported)
-    fingerprint_mismatch, flat_trainable, save_drafter, target_fingerprint, unflat_trainable,
+    check_trained_for, fingerprint_mismatch, flat_trainable, save_drafter, target_fingerprint, unflat_trainable,
 )
 from specjax.drafters.eagle_net import (  # noqa: F401  (the network, re-exported)
     SMALL_ROWS, copy_logit, forward, full_logits, input_features, new_cache, sub_logits, ttt_forward,
@@ -337,11 +337,7 @@ def load_drafter(path, target, dtype: str = "float32", name: str = "eagle", chec
     except (FileNotFoundError, OSError) as e:
         raise CheckpointError(f"{path}: not an EAGLE drafter directory ({e})") from None
     if check:
-        why = fingerprint_mismatch(meta.get("target_fingerprint") or {}, target_fingerprint(target))
-        if why:
-            raise CheckpointError(
-                f"the drafter in {path} was trained for target {meta.get('target_name')!r}, not for "
-                f"{target.name!r} ({why}); use --draft ngram, or train one for it with `specjax distill`")
+        check_trained_for(meta, target, path)
     tensors = st_load(raw)
     c = meta["config"]
     try:

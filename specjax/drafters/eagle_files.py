@@ -50,6 +50,18 @@ def fingerprint_mismatch(saved: dict, fp: dict) -> str | None:
     return None
 
 
+def check_trained_for(meta: dict, target, path, what: str = "drafter", arch: str = "") -> None:
+    """Raises CheckpointError unless the drafter described by ``meta`` (its JSON) was trained for
+    ``target`` (:func:`fingerprint_mismatch`); ``what`` names it, ``arch`` the ``--arch`` to retrain."""
+    from specjax.models.config import CheckpointError
+
+    why = fingerprint_mismatch(meta.get("target_fingerprint") or {}, target_fingerprint(target))
+    if why:
+        raise CheckpointError(
+            f"the {what} in {path} was trained for target {meta.get('target_name')!r}, not for "
+            f"{target.name!r} ({why}); use --draft ngram, or train one for it with `specjax distill{arch}`")
+
+
 def flat_trainable(tp: dict, cfg: EagleConfig) -> dict[str, np.ndarray]:
     """``{file name: array}`` of the trainable parameters; the block's fused weights are written
     as their parts (``layer.wq``, ``layer.wk``, …: the file layout of every drafter so far)."""

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import shutil
 
 import numpy as np
 
@@ -37,6 +36,7 @@ from specjax.train.block_losses import (block_batch, eval_batches, evaluate_bloc
                                         slot_weights, train_anchors)
 from specjax.train.common import DistillError, log
 from specjax.train.data import choose_sub_vocab
+from specjax.train.export import export_drafter
 # the run's shared steps (run directory, loading, data, split): specjax.train.distill's
 from specjax.train.distill import load_run, make_data, open_run, DistillRun, split_indices
 from specjax.train.loop import TrainState, format_alphas, make_optimizer, open_checkpoints, record_eval, \
@@ -197,15 +197,8 @@ def _train(r: DistillRun, args, ds, split_idx, sub_ids, sub_pos, init):
 
 
 def _export(out: str, cfg, params: dict, sub_ids, target, extra: dict) -> str:
-    """Write the block drafter to ``out/drafter`` (:func:`specjax.drafters.block.save_drafter`),
-    replacing an older one only once the new one is complete (``out/drafter.tmp`` renamed).
-    Returns the directory."""
+    """Write the block drafter to ``out/drafter`` (:func:`specjax.train.export.export_drafter` with
+    :func:`specjax.drafters.block.save_drafter`). Returns the directory."""
     from specjax.drafters import block
 
-    dd = os.path.join(out, "drafter")
-    shutil.rmtree(dd + ".tmp", ignore_errors=True)
-    block.save_drafter(dd + ".tmp", cfg, params, sub_ids, target, extra=extra)
-    if os.path.exists(dd):
-        shutil.rmtree(dd)
-    os.replace(dd + ".tmp", dd)
-    return dd
+    return export_drafter(out, cfg, params, sub_ids, target, extra, save=block.save_drafter)
