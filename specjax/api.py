@@ -92,7 +92,15 @@ def _load_draft_model(spec: str, target: Model, dtype: str) -> ModelDrafter:
 
 
 # the loaders of the kinds whose loading needs specjax.io (a later layer than the registry's)
-_IO_LOADERS = {"default": _load_shipped, "model": _load_draft_model}
+def _load_named_shipped(spec: str, target: Model, dtype: str):
+    """The ``shipped`` kind: ``shipped:NAME``, a drafter directory under ``models/``."""
+    from specjax.drafters.registry import SHIPPED_PREFIX
+    from specjax.io import shipped
+
+    return shipped.load_shipped_drafter(spec[len(SHIPPED_PREFIX):], target, dtype=dtype)
+
+
+_IO_LOADERS = {"default": _load_shipped, "shipped": _load_named_shipped, "model": _load_draft_model}
 
 
 def load_drafter(spec: str | None, target: Model, dtype: str = "float32"):
@@ -101,7 +109,7 @@ def load_drafter(spec: str | None, target: Model, dtype: str = "float32"):
     Args:
       spec: ``None``/``"none"`` (no drafter), ``"ngram"`` or ``"ngram:N"`` (prompt lookup,
         n-grams up to N), ``"default"`` (the trained drafter shipped for the default
-        model), a drafter directory written by ``specjax distill`` (``drafter.json``), or a
+        model), ``"shipped:NAME"`` (any drafter shipped under ``models/``), a drafter directory written by ``specjax distill`` (``drafter.json``), or a
         checkpoint path / hub id of a draft model with the target's tokenizer.
       target: the loaded target model (its tokenizer and vocab are checked).
 

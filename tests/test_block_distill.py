@@ -218,3 +218,21 @@ def test_resume_with_another_arch_is_refused(no_load, capsys, tmp_path):
     (run / "run.json").write_text(json.dumps({"prompts": None}))  # an eagle run records no arch
     assert cli.main(base + ["--arch", "block"]) == 2
     assert "resume it with --arch eagle" in capsys.readouterr().err
+
+
+def test_distill_bench_runs_a_block_drafter(trained, setup, tmp_path):
+    """``specjax distill --bench DIR`` with a block drafter's directory: it is loaded as kind
+    ``block`` (before 2026-12-02 the EAGLE loader was called and refused it), decodes the evaluation
+    prompts with it, and every greedy speculative output equals the autoregressive one."""
+    from specjax.train.benchmark import bench
+
+    out, _ = trained
+    split = tmp_path / "split.json"
+    split.write_text(json.dumps({"train": list(range(30)), "eval": list(range(30, 40))}))
+    args = _args(setup, tmp_path / "bench", "--bench", str(out / "drafter"), "--split", str(split),
+                 "--bench-gammas", "4", "--bench-limit", "3")
+    res = bench(args)
+    assert res["mismatches"] == [], res["mismatches"]
+    row = res["table"]["distilled γ=4"]
+    assert row["new_tokens"] == 3 * 20 and row["alpha"] > 0, row
+    assert json.loads((tmp_path / "bench" / "bench.json").read_text())["table"]["distilled γ=4"] == row

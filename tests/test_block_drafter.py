@@ -318,3 +318,50 @@ def test_greedy_speculative_equals_autoregressive(fmt):
         if fmt == "float32":
             assert dec.generate(prompts[2:], max_new_tokens=24, eos_ids=[]).tokens[0] == ar[2], kw
     assert accepted > 3, f"only {accepted} drafts accepted: the check would be nearly vacuous"
+
+
+def test_gamma_auto_scores_every_block_slot():
+    """``--gamma auto`` with a block drafter (issue 28): α per slot from ONE proposal at each position
+    of the target's own continuation (slot i against the target's p at position k + i − 1),
+    checked against an independent computation with the real drafter's first-round q
+    (:func:`drafter_q`) and the target's p (:func:`target_p`); E(N) per γ is 1 + Σ_k Π_{i≤k} α_i and
+    γ is capped at the trained block size; costs are timed at the run's batch size."""
+    from specjax.drafters.model import ModelDrafter
+    from specjax.eval.alpha import alpha_by_decoding, measure_alpha
+    from specjax.eval.auto import recommend
+    from specjax.eval.costs import timed_programs
+    from specjax.eval.theory import expected_tokens_by_position
+    from specjax.runtime.settings import DecodeSettings
+
+    target, d = _setup()
+    target_drafter_of = ModelDrafter.from_model  # a drafter that drafts token by token
+    prompts = [{"ids": list(PROMPT)}, {"ids": [1, 4, 4, 2, 0, 3]}]
+    settings = DecodeSettings(max_new_tokens=12, seed=3, ignore_eos=True, **SETTINGS)
+    progs = timed_programs(target, d, [0, 1, GAMMA], 6, 12)
+    got = alpha_by_decoding(target, d, prompts, progs, settings, new_tokens=6)
+    by_slot = [[] for _ in range(GAMMA)]
+    for rec, new in zip(prompts, got["continuations"]):
+        assert len(new) == 6
+        for k in range(len(new)):
+            q = drafter_q(tuple(rec["ids"] + new[:k]))
+            for i in range(min(GAMMA, len(new) - k)):
+                by_slot[i].append(np.minimum(target_p(tuple(rec["ids"] + new[:k + i])), q[i]).sum())
+    want = [float(np.mean(b)) for b in by_slot]
+    np.testing.assert_allclose(got["alpha_by_position"], want, atol=1e-4)
+    assert got["alpha"] == pytest.approx(want[0], abs=1e-4)
+    # specjax analyze's teacher-forced α (one target forward per prompt, every position's block proposal)
+    tf = measure_alpha(target, d,
+                       [{**r, "category": "c"} for r in prompts], got["continuations"], slots=GAMMA, **SETTINGS)
+    np.testing.assert_allclose(tf["alpha_by_position"], want, atol=1e-4)
+    with pytest.raises(ValueError, match="one-pass"):
+        measure_alpha(target, target_drafter_of(target), prompts, got["continuations"], slots=2)
+    assert len(set(np.round(want, 3))) > 1, "slots must differ for the test to tell them apart"
+
+    gamma, rep = recommend(target, d, prompts, settings, gamma_max=8, timing_repeats=2, batch=2)
+    assert rep["gammas"] == [1, 2, 3] and rep["batch"] == 2 and len(rep["alpha_by_position"]) == GAMMA
+    for row in rep["table"]:
+        e = expected_tokens_by_position(rep["alpha_by_position"], row["gamma"])
+        assert row["expected_tokens"] == pytest.approx(e) and row["speedup"] == pytest.approx(e / row["cost"])
+    assert gamma == max(rep["table"], key=lambda r: (r["speedup"], -r["gamma"]))["gamma"]
+    with pytest.raises(ValueError, match="batch"):
+        recommend(target, d, prompts, settings, batch=0)

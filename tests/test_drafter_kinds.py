@@ -88,7 +88,7 @@ def test_spec_kinds(tmp_path):
     (bd / "block_drafter.json").write_text("{}")
     (md / "config.json").write_text("{}")
     cases = {"ngram": "ngram", "ngram:5": "ngram", "default": "default", str(ed): "eagle", str(bd): "block",
-             str(md): "model",
+             str(md): "model", "shipped:smollm2-135m-instruct-eagle3": "shipped",
              "org/name": "model", "x.gguf": "model"}
     for spec, name in cases.items():
         kind = registry.kind_of(spec)
@@ -105,6 +105,27 @@ def test_spec_kinds(tmp_path):
     (ed / "drafter.json").write_text("{")
     with pytest.raises(ValueError, match="drafter.json"):
         api.check_draft_spec(str(ed))
+
+
+def test_shipped_drafters_by_name(capsys):
+    """``--draft shipped:NAME`` names any drafter under ``models/`` (EAGLE or block, by its marker);
+    a name that is not shipped is a one-line error listing the shipped ones, before anything loads;
+    ``shipped:<the default's directory>`` is the ``default`` drafter."""
+    from specjax import api
+    from specjax.cli import main
+    from specjax.io.loading import load_model
+
+    names = registry.shipped_names()
+    assert "smollm2-135m-instruct-eagle3" in names
+    with pytest.raises(ValueError, match=r"--draft shipped:nope: no shipped drafter 'nope'; shipped: shipped:"):
+        registry.check_spec("shipped:nope")
+    assert main(["generate", "--draft", "shipped:nope", "Hi"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no shipped drafter 'nope'" in err[0] and "Traceback" not in err[0], err
+    target = load_model(dtype="float32")
+    by_name = api.load_drafter("shipped:smollm2-135m-instruct-eagle3", target)
+    default = api.load_drafter("default", target)
+    assert by_name.config == default.config and by_name.name == default.name == "default"
 
 
 def test_training_entries():

@@ -166,15 +166,18 @@ def auto_gamma(target, drafter, prompts, s: dict, args, chat: bool, progress) ->
     texts = [p["prompt"] for p in prompts[: measure.AUTO_PROMPTS]]
     recs = [{"ids": ids} for ids in encode_prompts(target, texts, chat, s["parse_special"])]
     settings = DecodeSettings(max_new_tokens=s["max_new_tokens"], sampling=s["sampling"], seed=args.seed, ignore_eos=args.ignore_eos)
+    batch = max(1, min(int(args.batch_size), len(prompts)))  # rows decoded together: costs are timed at it
     gamma, rep = measure.recommend(target, drafter, recs, settings, cache=hostcache.default_cache(),
-                                   progress=progress)
+                                   progress=progress, batch=batch)
     g = gamma - 1
 
     def src(x):
         return f"cached {x['created']}" if x["cached"] else "measured now"
-    why = (f"α = {rep['alpha']:.2f} ({src(rep['alpha_source'])}), c(γ) = {rep['c'][g]:.3f} and v(γ) = "
-           f"{rep['v'][g]:.2f} ({src(rep['costs_source'])}): predicted {rep['predicted_speedup']:.2f}× over "
-           "autoregressive")
+    alpha = (f"α = {rep['alpha']:.2f}" if not rep.get("alpha_by_position") else
+             "α by position " + " ".join(f"{x:.2f}" for x in rep["alpha_by_position"][:gamma]))
+    why = (f"{alpha} ({src(rep['alpha_source'])}), c(γ) = {rep['c'][g]:.3f} and v(γ) = "
+           f"{rep['v'][g]:.2f} at batch {batch} ({src(rep['costs_source'])}): predicted "
+           f"{rep['predicted_speedup']:.2f}× over autoregressive")
     if not rep["predicted_speedup"] >= 1:
         note(f"--gamma auto chose no speculation (autoregressive decoding): speculation is not predicted to pay "
              f"here, the best γ = {gamma} has {why}; give --gamma N to speculate anyway")

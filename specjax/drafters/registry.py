@@ -7,6 +7,8 @@ A ``--draft`` value is ``none`` (no drafter) or belongs to the first kind of :da
 
 - ``ngram``: ``ngram`` or ``ngram:N``, prompt lookup (:class:`~specjax.drafters.ngram.NgramDrafter`);
 - ``default``: the EAGLE-3 drafter shipped for the default model (:mod:`specjax.io.shipped`);
+- ``shipped``: ``shipped:NAME``, any drafter shipped under ``models/`` (:func:`shipped_names`; e.g.
+  ``shipped:smollm2-135m-instruct-block``, the block drafter for the default model);
 - ``block``: a block (DFlash-style parallel) drafter directory (``block_drafter.json``,
   :class:`~specjax.drafters.block.BlockDrafter`): one drafter pass per round;
 - ``eagle``: a drafter directory written by ``specjax distill`` (``drafter.json``);
@@ -15,7 +17,7 @@ A ``--draft`` value is ``none`` (no drafter) or belongs to the first kind of :da
 
 A new kind adds its module(s) under ``specjax/drafters/`` and one :class:`DrafterKind` here;
 the CLI, :mod:`specjax.api`, the loop and measurement ask the registry and the drafter.
-Loading the ``default`` and ``model`` kinds needs :mod:`specjax.io` (a later layer): their
+Loading the ``default``, ``shipped`` and ``model`` kinds needs :mod:`specjax.io` (a later layer): their
 ``load`` is ``None`` here and :func:`specjax.api.load_drafter` supplies it.
 """
 
@@ -32,7 +34,8 @@ from specjax.drafters.eagle import EagleDrafter
 from specjax.drafters.model import ModelDrafter
 from specjax.drafters.ngram import NgramDrafter
 
-DRAFT_CHOICES = "none, ngram[:N], default, or a drafter PATH_OR_ID"
+DRAFT_CHOICES = "none, ngram[:N], default, shipped:NAME, or a drafter PATH_OR_ID"
+SHIPPED_PREFIX = "shipped:"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +109,27 @@ def _load_block(spec: str, target, dtype: str) -> BlockDrafter:
     return block.load_drafter(path, target, dtype=dtype, name=os.path.basename(os.path.normpath(path)))
 
 
+# --------------------------------------------------------------------------- shipped:NAME
+def shipped_names() -> list[str]:
+    """The drafters shipped inside the package (``models/``, installed as ``specjax.shipped_models``):
+    the directories holding an EAGLE (``drafter.json``) or block (:data:`block.MARKER`) drafter, sorted."""
+    from importlib import resources
+
+    root = resources.files("specjax.shipped_models")
+    if not root.is_dir():
+        return []
+    return sorted(c.name for c in root.iterdir()
+                  if (c / "drafter.json").is_file() or (c / block.MARKER).is_file())
+
+
+def _check_shipped(spec: str) -> None:
+    name = spec[len(SHIPPED_PREFIX):]
+    names = shipped_names()
+    if name not in names:
+        raise ValueError(f"--draft {spec}: no shipped drafter {name!r}; shipped: "
+                         f"{', '.join(SHIPPED_PREFIX + n for n in names) or 'none (reinstall specjax)'}")
+
+
 # --------------------------------------------------------------------------- model (a draft-model checkpoint or hub id)
 def _is_model(spec: str) -> bool:
     """Any path or hub id (the kinds before it took theirs): the checks name what is wrong."""
@@ -137,6 +161,8 @@ def _no_check(spec: str) -> None:
 KINDS: dict[str, DrafterKind] = {k.name: k for k in (
     DrafterKind("ngram", "n-gram prompt lookup", NgramDrafter, _is_ngram, _check_ngram, load=_load_ngram),
     DrafterKind("default", "the shipped drafter", EagleDrafter, lambda s: s == "default", _no_check),
+    # shipped EAGLE and block drafters both propose trees of any top-k (the one class-level declaration read)
+    DrafterKind("shipped", "a shipped drafter", BlockDrafter, lambda s: s.startswith(SHIPPED_PREFIX), _check_shipped),
     DrafterKind("block", "a block drafter from specjax distill", BlockDrafter,
                 lambda s: _has_file(s, block.MARKER), _no_check, load=_load_block, marker=block.MARKER,
                 trainer="specjax.train.block_distill:run"),

@@ -70,20 +70,23 @@ def _betas_model(tg, tcfg, tparams, dg, dcfg, dparams, tokens, starts, sampling,
     return jnp.sum(jnp.minimum(p, q), axis=-1)
 
 
-@functools.partial(jax.jit, static_argnames=("drafter", "vocab"))
-def _betas_generic(drafter, dparams, p, hidden, buf, lengths, sampling, keys, vocab):
+@functools.partial(jax.jit, static_argnames=("drafter", "vocab", "slots"))
+def _betas_generic(drafter, dparams, p, hidden, buf, lengths, sampling, keys, vocab, slots: int = 1):
     """Any drafter: one row per position, each as the first round after a prefill of
     ``buf[:length]`` (``init_state`` with the target's hidden states ``hidden [L, D]`` for
-    feature-level drafters, then a 1-token ``propose``); returns ``(β [R], proposed [R])``
-    with ``p [R, V]`` the target's distributions at those positions."""
+    feature-level drafters, then a ``slots``-token ``propose``); returns ``(β [R], proposed [R])``
+    with ``p [R, V]`` the target's distributions at those positions (``slots`` > 1: β ``[R, slots]``,
+    row r's slot j against ``p[r + j]``, clipped at the last row)."""
     r = buf.shape[0]
     zeros = jnp.zeros((r,), jnp.int32)
     init_ctx = DraftContext(buf, lengths, sampling, jnp.broadcast_to(hidden, (r,) + hidden.shape), zeros)
     state = drafter.init_state(dparams, init_ctx, buf.shape[1])
-    ctx = DraftContext(buf, lengths, sampling, jnp.zeros((r, 2, hidden.shape[-1]), jnp.float32), zeros)
-    prop = drafter.propose(dparams, state, ctx, keys, 1, vocab)
-    q = prop.probs[:, 0]
-    return jnp.sum(jnp.minimum(p, q), axis=-1), prop.num_valid > 0
+    ctx = DraftContext(buf, lengths, sampling, jnp.zeros((r, slots + 1, hidden.shape[-1]), jnp.float32), zeros)
+    prop = drafter.propose(dparams, state, ctx, keys, slots, vocab)
+    if slots == 1:
+        return jnp.sum(jnp.minimum(p, prop.probs[:, 0]), axis=-1), prop.num_valid > 0
+    at = jnp.minimum(jnp.arange(r)[:, None] + jnp.arange(slots)[None, :], r - 1)  # [R, slots]
+    return jnp.sum(jnp.minimum(p[at], prop.probs), axis=-1), prop.num_valid > 0
 
 
 def measure_alpha(
@@ -98,6 +101,7 @@ def measure_alpha(
     batch_size: int = 4,
     seed: int = 0,
     progress: bool = False,
+    slots: int = 1,
     **sampling: Any,
 ) -> dict:
     """α = E[Σ_x min(p, q)] along the target's own continuation (teacher forcing).
@@ -110,14 +114,24 @@ def measure_alpha(
     lookup q is one-hot, so β = p(proposal), and positions without a proposal are left
     out of α (the loop takes a plain step there) and counted in ``coverage``.
 
+    With ``slots`` > 1 (a drafter that drafts ``slots`` tokens in ONE pass, so draft i does not
+    depend on the drafts before it: a block drafter, ``chain_passes(γ) == 1``) each position's
+    proposal is ``propose(γ = slots)`` and slot i is scored against p at the position i − 1 further
+    on: the rate at which the i-th draft is accepted when the drafts before it were.
+
     Args:
       prompts: records from :func:`~specjax.eval.common.prompt_records` (``ids``, ``category``).
       continuations: per prompt, the target's own new tokens (greedy or sampled).
+      slots: block slots scored per proposal (1: the first draft only).
     Returns:
       dict: ``alpha`` (pooled over positions), ``positions``, ``coverage`` (fraction of
       positions with a proposal), ``by_category`` ``{cat: {alpha, positions, prompts}}``,
       ``per_prompt`` (``alpha``, ``positions``, ``category``, ``question_id``),
-      ``betas`` (per prompt, per position; NaN where nothing was proposed), ``method``.
+      ``betas`` (per prompt, per position; NaN where nothing was proposed), ``method``; with
+      ``slots`` > 1 also ``alpha_by_position`` (slots 1..``slots``; slot 1's is ``alpha``).
+    Raises:
+      ValueError: continuations not one per prompt; ``slots`` > 1 for a drafter that is a whole
+        causal LM or that drafts with more than one pass.
     """
     if len(prompts) != len(continuations):
         raise ValueError(f"got {len(continuations)} continuations for {len(prompts)} prompts")
@@ -125,7 +139,11 @@ def measure_alpha(
     starts = [len(p["ids"]) - 1 for p in prompts]
     counts = [len(c) for c in continuations]
     width = _bucket(max(max(counts), 1), 32)
-    length = _bucket(max(len(s) for s in seqs) + 1, BUFFER_BUCKET)
+    slots = int(slots)
+    if slots > 1 and (drafter.causal_model is not None or drafter.chain_passes(slots) != 1):
+        raise ValueError("slots > 1 scores the block slots of a one-pass (block) drafter; this drafter drafts "
+                         "token by token")
+    length = _bucket(max(len(s) for s in seqs) + slots, BUFFER_BUCKET)  # room for a block's writes past the end
     sp_kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, **sampling)
     tok = np.zeros((len(seqs), length), np.int32)
     for i, s in enumerate(seqs):
@@ -133,8 +151,13 @@ def measure_alpha(
     if drafter.causal_model is not None:  # q of every position from one teacher-forced forward
         betas = _betas_teacher_forced(target, drafter, tok, starts, counts, width, sp_kw, batch_size, progress)
     else:
-        betas = _betas_proposed(target, drafter, tok, starts, counts, width, sp_kw, seed, progress)
-    return _alpha_summary(prompts, [np.clip(b, 0.0, 1.0) for b in betas])
+        betas = _betas_proposed(target, drafter, tok, starts, counts, width, sp_kw, seed, progress, slots)
+    if slots == 1:
+        return _alpha_summary(prompts, [np.clip(b, 0.0, 1.0) for b in betas])
+    out = _alpha_summary(prompts, [np.clip(b[:, 0], 0.0, 1.0) for b in betas])
+    allb = np.clip(np.concatenate(betas), 0.0, 1.0) if betas else np.zeros((0, slots))
+    out["alpha_by_position"] = [float(np.nanmean(c)) if np.isfinite(c).any() else 0.0 for c in allb.T]
+    return out
 
 
 def _betas_teacher_forced(target, drafter, tok, starts, counts, width, sp_kw, batch_size, progress):
@@ -157,12 +180,13 @@ def _betas_teacher_forced(target, drafter, tok, starts, counts, width, sp_kw, ba
     return betas
 
 
-def _betas_proposed(target, drafter, tok, starts, counts, width, sp_kw, seed, progress):
+def _betas_proposed(target, drafter, tok, starts, counts, width, sp_kw, seed, progress, slots: int = 1):
     """β per prompt for any other drafter: one 1-token ``propose`` per position (NaN where
-    nothing was proposed)."""
+    nothing was proposed); with ``slots`` > 1 one ``slots``-token proposal per position, β ``[n, slots]``
+    (slot i against p at the position i − 1 further on; NaN past the continuation's end)."""
     vocab, length = target.config.vocab_size, tok.shape[1]
     sp1, spw = _sampling(1, **sp_kw), _sampling(width, **sp_kw)
-    keys = jax.vmap(lambda i: jax.random.split(jax.random.fold_in(seed_key(seed), i), 1))(jnp.arange(width))
+    keys = jax.vmap(lambda i: jax.random.split(jax.random.fold_in(seed_key(seed), i), slots))(jnp.arange(width))
     tdt = _cache_dtype(target)
     betas = []
     for i in _progress(range(len(tok)), "alpha", total=len(tok), enabled=progress):
@@ -172,9 +196,12 @@ def _betas_proposed(target, drafter, tok, starts, counts, width, sp_kw, seed, pr
         lengths = np.clip(starts[i] + 1 + np.arange(width), 1, length - 1).astype(np.int32)
         buf = jnp.asarray(np.repeat(row, width, axis=0))
         beta, proposed = _betas_generic(drafter, drafter.params, p[0], hidden[0], buf, jnp.asarray(lengths), spw,
-                                        keys, vocab)
-        beta = np.asarray(beta, np.float64)[: counts[i]]
-        beta[~np.asarray(proposed)[: counts[i]]] = np.nan
+                                        keys, vocab, slots)
+        n = counts[i]
+        beta = np.asarray(beta, np.float64)[:n]
+        beta[~np.asarray(proposed)[:n]] = np.nan
+        if slots > 1:  # row r's slot j scores position r + j: NaN where that is past the continuation
+            beta[np.arange(n)[:, None] + np.arange(slots)[None, :] >= n] = np.nan
         betas.append(beta)
     return betas
 
@@ -250,17 +277,20 @@ def _continuation(target, progs: dict, ids: Sequence[int], n_new: int, sp, rng, 
     return out, np.stack(ps), np.concatenate(hidden)
 
 
-def _betas_first_proposal(cfg, drafter, prog: Program, ids, new, p, hidden, sp, rng) -> np.ndarray:
-    """β at each position of ``new`` with the cost programs' drafter calls (γ = 1, buffer of
-    ``prog``): per position k, the drafter state after a prefill of ``ids + new[:k]``
-    (``init_state`` with the target's hidden states), then one 1-token ``propose`` — its first
-    proposal there, as in :func:`_betas_generic`; β = Σ min(p, q), NaN without a proposal.
+def _betas_first_proposal(cfg, drafter, prog: Program, ids, new, p, hidden, sp, rng, slots: int = 1) -> np.ndarray:
+    """β at each position of ``new`` with the cost programs' drafter calls (buffer of ``prog``):
+    per position k, the drafter state after a prefill of ``ids + new[:k]`` (``init_state`` with the
+    target's hidden states), then one ``propose`` of ``slots`` tokens — its first proposal there, as
+    in :func:`_betas_generic`; β = Σ min(p, q), NaN without a proposal. With ``slots`` > 1 (a drafter
+    that drafts all slots in one pass, so slot i's q_i does not depend on the drafts before it: a
+    block drafter) slot i is scored against the target's p at position k + i − 1, i.e. the rate at
+    which the i-th draft is accepted when the drafts before it were (the target's own tokens).
 
     Args:
       p: ``[n, V]`` the target's processed distributions of ``new``; hidden: ``[len(ids) + n - 1, D]``;
         rng: a numpy Generator for the drafter's keys (β does not depend on them).
     Returns:
-      ``[n]`` float64.
+      ``[n]`` float64 (``slots`` = 1), else ``[n, slots]`` (NaN past the end of ``new``).
     """
     buf, vocab = prog.buffer_len, cfg.vocab_size
     seq = np.zeros((1, buf), np.int32)
@@ -270,16 +300,18 @@ def _betas_first_proposal(cfg, drafter, prog: Program, ids, new, p, hidden, sp, 
     hid[0, : len(hidden)] = hidden
     toks, hid = jnp.asarray(seq), jnp.asarray(hid)
     zeros, last = jnp.zeros((1,), jnp.int32), jnp.zeros((1, 2, hidden.shape[-1]), jnp.float32)
-    betas = np.full(len(new), np.nan)
+    betas = np.full((len(new), slots), np.nan)
     for k in range(len(new)):
         lens = jnp.asarray([len(ids) + k], jnp.int32)
         state = _draft_init(drafter, drafter.params, DraftContext(toks, lens, sp, hid, zeros), buf)
-        keys = jnp.asarray(rng.integers(0, 2 ** 32, (1, 1, 2), dtype=np.uint32))  # raw threefry keys (q is not drawn)
+        keys = jnp.asarray(rng.integers(0, 2 ** 32, (1, slots, 2), dtype=np.uint32))  # raw threefry keys (q is not drawn)
         _, q, valid, _ = _draft_call(drafter, drafter.params, state, DraftContext(toks, lens, sp, last, zeros),
-                                     keys, 1, vocab)
-        if int(valid[0]) > 0:
-            betas[k] = float(np.minimum(p[k], np.asarray(q[0, 0], np.float32)).sum())
-    return np.clip(betas, 0.0, 1.0)
+                                     keys, slots, vocab)
+        q = np.asarray(q[0], np.float32)
+        for i in range(min(int(valid[0]), len(new) - k)):
+            betas[k, i] = float(np.minimum(p[k + i], q[i]).sum())
+    betas = np.clip(betas, 0.0, 1.0)
+    return betas[:, 0] if slots == 1 else betas
 
 
 def alpha_by_decoding(target, drafter, prompts: Sequence[dict], progs: dict, settings: DecodeSettings,
@@ -294,16 +326,25 @@ def alpha_by_decoding(target, drafter, prompts: Sequence[dict], progs: dict, set
       prompts: records (:func:`~specjax.eval.common.prompt_records`); progs: ``{γ: Program}`` holding γ = 0 and 1
         (:func:`~specjax.eval.costs.timed_programs`).
     Returns:
-      :func:`measure_alpha`'s dict, plus ``continuations`` (new ids per prompt).
+      :func:`measure_alpha`'s dict, plus ``continuations`` (new ids per prompt); for a drafter that
+      drafts γ slots in one pass (``chain_passes(γ) == 1``, a block drafter) with programs up to γ > 1,
+      also ``alpha_by_position`` (slots 1..γ of one proposal: :func:`_betas_first_proposal`).
     """
     sp_kw = _sampling_kw(settings)
     sp = _sampling(1, **sp_kw)
     eos = set() if settings.ignore_eos else set(target.config.eos_token_ids)
-    betas, conts = [], []
+    slots = max(progs) if drafter.chain_passes(max(progs)) == 1 and max(progs) > 1 else 1
+    betas, by_slot, conts = [], [], []
     for i, rec in enumerate(prompts):
         rng = None if settings.temperature == 0 else np.random.default_rng([int(settings.seed), i])
         new, p, hidden = _continuation(target, progs, rec["ids"], new_tokens, sp, rng, eos, _features_of(drafter))
         keys = np.random.default_rng([int(settings.seed), i, 1])
-        betas.append(_betas_first_proposal(target.config, drafter, progs[1], rec["ids"], new, p, hidden, sp, keys))
+        b = _betas_first_proposal(target.config, drafter, progs[slots], rec["ids"], new, p, hidden, sp, keys, slots)
+        betas.append(b if slots == 1 else b[:, 0])
+        by_slot.append(b.reshape(len(new), slots))
         conts.append(new)
-    return {**_alpha_summary(prompts, betas), "continuations": conts}
+    out = {**_alpha_summary(prompts, betas), "continuations": conts}
+    if slots > 1:  # one pass drafts every slot: per-slot rates (NaN-free means over the positions scored)
+        allb = np.concatenate(by_slot) if by_slot else np.zeros((0, slots))
+        out["alpha_by_position"] = [float(np.nanmean(c)) if np.isfinite(c).any() else 0.0 for c in allb.T]
+    return out

@@ -34,11 +34,13 @@ AUTO_METHOD = (
 
 def recommend(target, drafter, prompts, settings: DecodeSettings | None = None, *, gamma_max: int = 8,
               chat: bool = False, cache=None, progress=None, timing_repeats: int = 7,
-              measure_gammas: Sequence[int] | None = None) -> tuple[int, dict]:
+              measure_gammas: Sequence[int] | None = None, batch: int = 1) -> tuple[int, dict]:
     """γ with the largest predicted speedup for this pair (``specjax generate --gamma auto``),
     from costs and α measured quickly, or read from ``cache``.
 
-    * costs c(γ), v(γ) (:func:`measure_costs`, batch 1, the decode programs' buffers for the
+    * costs c(γ), v(γ) (:func:`measure_costs` at ``batch`` rows — the run's batch size: at larger
+      batches a (γ+1)-token verification costs relatively more, so a γ that pays at batch 1 may not —
+      with the decode programs' buffers for the
       longest of those prompts and ``settings.max_new_tokens``), timed at γ = 1 and ``gamma_max`` only
       (``measure_gammas`` to change that; call times linear in between), ``timing_repeats``
       timings each; 5 programs to compile. Cached per host, target, drafter (with their
@@ -46,22 +48,28 @@ def recommend(target, drafter, prompts, settings: DecodeSettings | None = None, 
     * α (:func:`alpha_by_decoding`) over ≤ ``AUTO_PROMPTS`` prompts × ≤ ``AUTO_NEW_TOKENS``
       tokens of the target's own continuation, with ``settings``' sampling; it runs the cost
       programs and one prefill call per prompt bucket. Cached per host, target, drafter,
-      sampling settings (and seed when sampling) and prompt ids.
+      sampling settings (and seed when sampling) and prompt ids. A drafter that drafts the whole
+      block in one pass (a block drafter: ``chain_passes(γ) == 1``) also gets α per position
+      (slots 1..``gamma_max`` of one proposal), and E(N) from them
+      (:func:`~specjax.eval.theory.expected_tokens_by_position`) instead of Equation (1);
+      ``gamma_max`` is capped at its trained block size.
 
     Args:
       prompts: texts, id lists or records (:func:`prompt_records`).
       settings: sampling, ``max_new_tokens``, seed, ``ignore_eos`` of the run (default
-        ``DecodeSettings()``; its batch size is not used: costs are timed at batch 1).
+        ``DecodeSettings()``; its batch size is not used: give ``batch``).
+      batch: rows decoded together in the run (costs are timed at this batch size).
       cache: a :class:`specjax.eval.hostcache.HostCache`, or ``None`` (measure every time).
       progress: a :class:`specjax.runtime.progress.Progress`: one line per measuring phase.
     Returns:
-      ``(γ in [1, gamma_max], report)``; the report holds ``gamma``, ``alpha``, ``coverage``,
+      ``(γ in [1, gamma_max], report)``; the report holds ``gamma``, ``alpha``, ``alpha_by_position``
+      (``None`` but for one-pass drafters), ``batch``, ``coverage``,
       ``positions``, ``gammas``, ``c``, ``v``, ``t_target_ms`` / ``t_draft_ms`` (``{str(T or γ): ms}``),
       ``table`` (:func:`theory_rows`), ``predicted_speedup``, ``costs_source`` / ``alpha_source``
       (:func:`cached_or_measured`) and ``method``.
     Raises:
-      ValueError: no drafter; ``gamma_max < 1``; no prompt, an empty one, or one that leaves no
-        room in the context for a new token.
+      ValueError: no drafter; ``gamma_max < 1``; ``batch < 1``; no prompt, an empty one, or one that
+        leaves no room in the context for a new token.
     """
     from specjax.eval.hostcache import drafter_fingerprint, model_fingerprint
 
@@ -70,6 +78,11 @@ def recommend(target, drafter, prompts, settings: DecodeSettings | None = None, 
     gamma_max = int(gamma_max)
     if gamma_max < 1:
         raise ValueError(f"gamma_max must be >= 1, got {gamma_max}")
+    if isinstance(batch, bool) or int(batch) != batch or batch < 1:
+        raise ValueError(f"batch must be an integer >= 1, got {batch!r}")
+    block_size = getattr(getattr(drafter, "config", None), "block_size", None)
+    if drafter.chain_passes(2) == 1 and block_size:  # a block drafter: slots past its trained block are untrained
+        gamma_max = min(gamma_max, int(block_size))
     settings = DecodeSettings() if settings is None else settings
     recs = prompt_records(list(prompts)[:AUTO_PROMPTS], target, chat)
     gammas = list(range(1, gamma_max + 1))
@@ -82,13 +95,15 @@ def recommend(target, drafter, prompts, settings: DecodeSettings | None = None, 
     pair = {"target": model_fingerprint(target), "drafter": drafter_fingerprint(drafter)}
     sp_kw = _sampling_kw(settings)
     costs, costs_src = _auto_costs(target, drafter, pair, gammas, timed, plen, mnt, progs, timing_repeats, sp_kw,
-                                   cache, progress)
+                                   cache, progress, int(batch))
     n_new = min(AUTO_NEW_TOKENS, mnt, ctx - plen)  # within the context, like the run itself
     alpha, alpha_src = _auto_alpha(target, drafter, pair, recs, progs, settings, n_new, sp_kw, cache, progress)
     a = alpha["alpha"] if alpha["alpha"] is not None and np.isfinite(alpha["alpha"]) else 0.0
-    rows = theory_rows(a, gammas, costs["c"], costs["v"])
+    by_pos = alpha.get("alpha_by_position")
+    rows = theory_rows(a, gammas, costs["c"], costs["v"], by_pos)
     best = best_row(rows)
-    report = {"gamma": int(best["gamma"]), "alpha": a, "coverage": alpha["coverage"], "positions": alpha["positions"],
+    report = {"gamma": int(best["gamma"]), "alpha": a, "alpha_by_position": by_pos, "batch": int(batch),
+              "coverage": alpha["coverage"], "positions": alpha["positions"],
               "gammas": gammas, "c": costs["c"], "v": costs["v"], "t_target_ms": costs["t_target_ms"],
               "t_draft_ms": costs["t_draft_ms"], "table": rows, "predicted_speedup": best["speedup"],
               "costs_source": costs_src, "alpha_source": alpha_src, "method": AUTO_METHOD}
@@ -96,22 +111,22 @@ def recommend(target, drafter, prompts, settings: DecodeSettings | None = None, 
 
 
 def _auto_costs(target, drafter, pair: dict, gammas, timed, plen: int, mnt: int, progs: dict, timing_repeats: int,
-                sp_kw: dict, cache, progress) -> tuple[dict, dict]:
-    """:func:`recommend`'s costs (:func:`measure_costs` at batch 1 on the programs ``progs``, γ in
+                sp_kw: dict, cache, progress, batch: int = 1) -> tuple[dict, dict]:
+    """:func:`recommend`'s costs (:func:`measure_costs` at ``batch`` rows on the programs ``progs``, γ in
     ``timed`` timed) and their source, from ``cache`` when there: ``(costs, source)``."""
 
     def costs_now():
-        m = measure_costs(target, drafter, gammas, batch=1, prompt_len=plen, max_new_tokens=mnt,
+        m = measure_costs(target, drafter, gammas, batch=batch, prompt_len=plen, max_new_tokens=mnt,
                           repeats=timing_repeats, measure_gammas=timed, **sp_kw)
         return {"c": m["c"], "v": m["v"], "t_target_ms": {str(k): v for k, v in m["t_target_ms"].items()},
                 "t_draft_ms": {str(k): v for k, v in m["t_draft_ms"].items()}, "interpolated": m["interpolated"]}
 
     widths = ", ".join(str(g + 1) for g in [0, *timed])
     return cached_or_measured(
-        cache, "costs", {**pair, "batch": 1, "gammas": gammas, "timed": timed, "repeats": int(timing_repeats),
+        cache, "costs", {**pair, "batch": batch, "gammas": gammas, "timed": timed, "repeats": int(timing_repeats),
                          "buffer_len": {str(g): pr.buffer_len for g, pr in progs.items()},
                          "cache_dtype": progs[0].cache_dtype}, costs_now, progress,
-        f"measuring costs for --gamma auto: target calls of {widths} tokens, drafter proposals of "
+        f"measuring costs for --gamma auto at batch {batch}: target calls of {widths} tokens, drafter proposals of "
         f"{' and '.join(str(g) for g in timed)} tokens ({1 + 2 * len(timed)} programs to compile)")
 
 
@@ -122,12 +137,13 @@ def _auto_alpha(target, drafter, pair: dict, recs: list[dict], progs: dict, sett
 
     def alpha_now():
         a = alpha_by_decoding(target, drafter, recs, progs, settings, n_new)
-        return {k: a[k] for k in ("alpha", "positions", "coverage", "betas")}
+        return {k: a[k] for k in ("alpha", "positions", "coverage", "betas", "alpha_by_position") if k in a}
 
     ids_sha = hashlib.sha256(json.dumps([r["ids"] for r in recs]).encode()).hexdigest()
     return cached_or_measured(
         cache, "alpha", {**pair, "sampling": sp_kw, "seed": int(settings.seed) if settings.temperature > 0 else None,
-                         "ignore_eos": bool(settings.ignore_eos), "new_tokens": n_new, "prompts": ids_sha},
+                         "ignore_eos": bool(settings.ignore_eos), "new_tokens": n_new, "prompts": ids_sha,
+                         "slots": max(progs)},
         alpha_now, progress,
         f"measuring α for --gamma auto: the target's own continuation of {len(recs)} prompt"
         f"{'s' if len(recs) > 1 else ''} (≤ {n_new} tokens each; one prefill program to compile), "
@@ -138,7 +154,7 @@ def recommend_gamma(target, drafter, prompt_texts: Sequence[str], chat: bool = F
                     **kw) -> int:
     """:func:`recommend`'s γ (an int in [1, gamma_max]; 1 when no γ is predicted to pay).
     ``kw``: :func:`recommend`'s ``settings``, ``cache``, ``progress``, ``timing_repeats``,
-    ``measure_gammas``.
+    ``measure_gammas``, ``batch``.
 
     Raises:
       ValueError: no drafter; ``gamma_max < 1``.

@@ -66,9 +66,11 @@ def analyze_pair(
     decoders: dict = {}
     say(f"[1/5] target's own output: {len(recs)} prompts × ≤{settings.max_new_tokens} tokens")
     base = autoregressive_run(target, recs, settings, decoders=decoders, progress=progress)
-    say("[2/5] alpha by teacher forcing")
+    one_pass = drafter.causal_model is None and drafter.chain_passes(2) == 1 and int(gamma_max) > 1
+    say("[2/5] alpha by teacher forcing" + (f" (block slots 1..{gamma_max} of each one-pass proposal)" if one_pass else ""))
     alpha = measure_alpha(target, drafter, recs, base["tokens"], seed=settings.seed, batch_size=4, progress=progress,
-                          **sp_kw)
+                          slots=int(gamma_max) if one_pass else 1, **sp_kw)
+    by_pos = alpha.get("alpha_by_position")
     gammas = list(range(1, int(gamma_max) + 1))
     plen = int(np.median([len(r["ids"]) for r in recs]))
     batch = settings.batch_size or len(recs)
@@ -81,7 +83,7 @@ def analyze_pair(
                           max_new_tokens=settings.max_new_tokens, repeats=timing_repeats, measure_gammas=mg,
                           trees=trees, **sp_kw)
     a = alpha["alpha"] if np.isfinite(alpha["alpha"]) else 0.0
-    rows = theory_rows(a, gammas, costs["c"], costs["v"])
+    rows = theory_rows(a, gammas, costs["c"], costs["v"], by_pos)
     best = best_row(rows)
     say(f"[4/5] α = {a:.4f}, c(γ) = {costs['c'][best['gamma'] - 1]:.4f}: recommended γ = {best['gamma']} "
         f"(predicted {best['speedup']:.3f}×)")
@@ -105,7 +107,7 @@ def _chain_runs(target, drafter, recs, settings, gs, a, rows, costs, alpha, run_
     for g in gs:
         say(f"[5/5] speculative run at γ = {g} (interleaved with autoregressive)")
         run = measure_speedup(target, drafter, recs, g, settings, **run_kw)
-        row = rows[g - 1] if g <= len(rows) else theory_rows(a, [g], costs["c_scalar"], costs["v"][-1])[0]
+        row = rows[g - 1] if g <= len(rows) else theory_rows(a, [g], costs["c_scalar"], costs["v"][-1])[0]  # Eq. (1)
         out.append(_measured_entry(a, g, run, row, alpha, settings))
     return out
 
@@ -224,7 +226,8 @@ def _pair_report(target, drafter, settings, chat, recs, plen, alpha, costs, rows
         "settings": {"max_new_tokens": settings.max_new_tokens, "batch_size": settings.batch_size, "chat": chat,
                      "seed": settings.seed, "ignore_eos": settings.ignore_eos, "prompts": len(recs),
                      "median_prompt_tokens": plen, **_sampling_kw(settings)},
-        "alpha": {k: alpha[k] for k in ("alpha", "positions", "coverage", "by_category", "per_prompt", "method")},
+        "alpha": {k: alpha[k] for k in ("alpha", "positions", "coverage", "by_category", "per_prompt", "method",
+                                        "alpha_by_position") if k in alpha},
         # one number for the plot and summaries: c(γ) at the recommended γ (the table uses c(γ) per γ)
         "c": costs["c"][best["gamma"] - 1],
         "c_by_gamma": costs["c"],

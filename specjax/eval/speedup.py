@@ -179,13 +179,21 @@ def autoregressive_run(target, prompts, settings: DecodeSettings | None = None, 
 
 
 # --------------------------------------------------------------------------- theory ↔ measurement
-def theory_rows(alpha: float, gammas: Sequence[int], c: Sequence[float] | float, v: Sequence[float] | None) -> list[dict]:
+def theory_rows(alpha: float, gammas: Sequence[int], c: Sequence[float] | float, v: Sequence[float] | None,
+                alphas_by_position: Sequence[float] | None = None) -> list[dict]:
     """:func:`analysis.theory_table` rows with a per-γ measured c(γ) and v(γ): ``cost`` =
-    γ c(γ) + v(γ), ``speedup`` = E(N)/cost, ``speedup_textbook`` = E(N)/(γ c(γ) + 1)."""
+    γ c(γ) + v(γ), ``speedup`` = E(N)/cost, ``speedup_textbook`` = E(N)/(γ c(γ) + 1). With
+    ``alphas_by_position`` (α_1.. α_γmax, e.g. a block drafter's per-slot rates), E(N) is
+    :func:`analysis.expected_tokens_by_position` instead of Equation (1) at ``alpha``."""
     gammas = [int(g) for g in gammas]
     cs = np.broadcast_to(np.asarray(c, float), (len(gammas),))
     vs = np.ones(len(gammas)) if v is None else np.broadcast_to(np.asarray(v, float), (len(gammas),))
-    return [analysis.theory_table(alpha, float(ci), [g], float(vi))[0] for g, ci, vi in zip(gammas, cs, vs)]
+    rows = [analysis.theory_table(alpha, float(ci), [g], float(vi))[0] for g, ci, vi in zip(gammas, cs, vs)]
+    if alphas_by_position is not None:
+        for r, ci in zip(rows, cs):
+            e = analysis.expected_tokens_by_position(alphas_by_position, r["gamma"])
+            r.update(expected_tokens=e, speedup=e / r["cost"], speedup_textbook=e / (r["gamma"] * float(ci) + 1.0))
+    return rows
 
 
 def best_row(rows: Sequence[dict], key: str = "speedup") -> dict:

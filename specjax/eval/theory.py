@@ -157,6 +157,29 @@ def expected_tokens(alpha: Any, gamma: Any) -> np.ndarray | np.float64:
     return _out(np.where(a == 1.0, g + 1.0, ratio))
 
 
+def expected_tokens_by_position(alphas: Sequence[float], gamma: int) -> float:
+    """Expected tokens per round when the draft at position i is accepted with its own rate
+    ``alphas[i-1]`` given that the drafts before it were: ``E(N) = 1 + Σ_{k=1}^{γ} Π_{i=1}^{k} α_i``
+    (Equation (1) generalised; equal to it when every α_i is α). For drafters whose acceptance
+    falls with the position, such as a block drafter (one pass drafts all γ slots, slot i not
+    seeing the drafts before it: DFlash, Chen et al. 2026).
+
+    Args:
+      alphas: per-position acceptance rates in [0, 1], at least ``gamma`` of them.
+      gamma: draft length >= 1.
+    Returns:
+      float tokens per round in [1, gamma + 1].
+    Raises:
+      ValueError: fewer than ``gamma`` rates, or a rate outside [0, 1].
+    """
+    a = np.asarray(alphas, np.float64)
+    g = int(gamma)
+    if a.ndim != 1 or a.size < g or g < 1:
+        raise ValueError(f"need >= gamma = {g} per-position rates, got {a.size}")
+    _check_alpha(a)
+    return float(1.0 + np.cumprod(a[:g]).sum())
+
+
 def walltime_improvement(alpha: Any, gamma: Any, c: Any) -> np.ndarray | np.float64:
     """Expected wall-time improvement factor, Theorem 3.8.
 

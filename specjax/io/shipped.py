@@ -16,21 +16,37 @@ from importlib import resources
 from specjax.models.config import CheckpointError
 
 DEFAULT_DRAFTER = "smollm2-135m-instruct-eagle3"
+BLOCK_DRAFTER = "smollm2-135m-instruct-block"  # the block (DFlash-style) drafter: --draft shipped:<this>
 
 
 def shipped_drafter_path(name: str = DEFAULT_DRAFTER):
-    """The ``importlib.resources`` Traversable of a shipped drafter directory.
+    """The ``importlib.resources`` Traversable of a shipped drafter directory (an EAGLE drafter's
+    ``drafter.json`` or a block drafter's ``block_drafter.json`` in it).
 
     Raises:
       CheckpointError: no such shipped drafter (names the ones that exist).
     """
-    root = resources.files("specjax.shipped_models")
-    p = root / name
-    if not (p / "drafter.json").is_file():
-        names = sorted(c.name for c in root.iterdir() if (c / "drafter.json").is_file()) if root.is_dir() else []
-        raise CheckpointError(f"no shipped drafter {name!r} (shipped: {', '.join(names) or 'none'}); "
+    from specjax.drafters.registry import shipped_names
+
+    if name not in shipped_names():
+        raise CheckpointError(f"no shipped drafter {name!r} (shipped: {', '.join(shipped_names()) or 'none'}); "
                               "reinstall specjax, or train one with `specjax distill`")
-    return p
+    return resources.files("specjax.shipped_models") / name
+
+
+def load_shipped_drafter(name: str, target, dtype: str = "float32"):
+    """The shipped drafter ``name`` (a directory under ``models/``: ``--draft shipped:NAME``) bound
+    to ``target``, EAGLE or block by its marker file; ``dtype`` as :func:`load_default_drafter`.
+
+    Raises:
+      CheckpointError: no such shipped drafter, or the target is not the model it was trained for.
+    """
+    from specjax.drafters import block, eagle
+
+    p = shipped_drafter_path(name)
+    if (p / block.MARKER).is_file():
+        return block.load_drafter(p, target, dtype=dtype, name=f"shipped:{name}")
+    return eagle.load_drafter(p, target, dtype=dtype, name="default" if name == DEFAULT_DRAFTER else f"shipped:{name}")
 
 
 def load_default_drafter(target, dtype: str = "float32"):

@@ -77,7 +77,6 @@ def _bench_records(args) -> list[dict]:
 def _bench_decoders(args, target, gammas) -> list[tuple]:
     """``(kind name, Decoder)`` for every kind compared, autoregressive (``"ar"``) first."""
     from specjax.api import load_drafter
-    from specjax.drafters import eagle
     from specjax.drafters.model import ModelDrafter
     from specjax.io.loading import truncate_model
     from specjax.runtime.decoder import Decoder
@@ -85,8 +84,7 @@ def _bench_decoders(args, target, gammas) -> list[tuple]:
     def dec(drafter=None, gamma=4):
         return Decoder(target, drafter, gamma, prompt_bucket=BENCH_PROMPT_BUCKET)
 
-    dr = (load_drafter("default", target) if args.bench == "default"
-          else eagle.load_drafter(args.bench, target))
+    dr = load_drafter(args.bench, target)  # 'default' or a run's DIR/drafter of any kind (EAGLE, block)
     first2 = ModelDrafter.from_model(truncate_model(target, 2), name="first2")
     return ([("ar", dec())] + [(f"distilled γ={g}", dec(dr, g)) for g in gammas]
             + [("ngram γ=4", dec(load_drafter("ngram", target), 4)), ("first2 γ=2", dec(first2, 2))])

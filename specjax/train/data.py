@@ -242,10 +242,11 @@ def _part_arrays(outs, chunk, eos, seed, source):
 
 
 def _write_part(part, seqs, hid, tps, tis, ams, half: bool = False):
-    """Write one part file atomically (a temporary file renamed); ``half``: hidden as float16."""
+    """Write one part file atomically (a temporary file renamed); ``half``: hidden as float16. Stored
+    uncompressed in C order, so :func:`collect_parts` memory-maps ``hidden`` (rows contiguous)."""
     tmp = part + ".tmp.npz"
     np.savez(tmp, seqs=np.array(json.dumps(seqs)),
-             hidden=np.concatenate(hid).astype(np.float16 if half else np.float32),
+             hidden=np.ascontiguousarray(np.concatenate(hid), np.float16 if half else np.float32),
              topk_p=np.concatenate(tps).astype(np.float32), topk_idx=np.concatenate(tis).astype(np.int32),
              argmax=np.concatenate(ams).astype(np.int32))
     os.replace(tmp, part)
@@ -310,37 +311,128 @@ def self_prompts(target, n: int, seed: int, path: str, *, max_tokens: int = 64, 
     return recs
 
 
+class RowSegments:
+    """Rows ``[N, F]`` stored as segments (arrays or memory maps) one after another, read without
+    concatenating them: the target features of a data set, which at millions of tokens do not fit
+    in memory twice (3 M tokens × 3 fused layers × 576 × float16 ≈ 10 GB). Supports what the batch
+    builders use — ``len``, ``shape``, ``dtype``, ``x[i]`` and ``x[a:b]`` (step 1; a slice within one
+    segment is a view, across segments a copy) — and ``np.asarray(x)`` (a concatenated copy)."""
+
+    def __init__(self, segments):
+        segs = [s for s in segments if len(s)]
+        widths = {tuple(s.shape[1:]) for s in segs}
+        if len(widths) > 1:
+            raise ValueError(f"segments of different row shapes: {sorted(widths)}")
+        self._segs = segs
+        self._starts = np.cumsum([0] + [len(s) for s in segs])
+        self._row = widths.pop() if widths else (0,)
+        self.dtype = segs[0].dtype if segs else np.dtype(np.float32)
+
+    @property
+    def shape(self) -> tuple:
+        return (int(self._starts[-1]),) + self._row
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def _locate(self, i: int) -> tuple[int, int]:
+        k = int(np.searchsorted(self._starts, i, side="right")) - 1
+        return k, i - int(self._starts[k])
+
+    def __getitem__(self, idx):
+        n = len(self)
+        if isinstance(idx, slice):
+            a, b, step = idx.indices(n)
+            if step != 1:
+                raise IndexError("RowSegments supports slices of step 1 only")
+            if b <= a:
+                return np.zeros((0,) + self._row, self.dtype)
+            pieces, x = [], a
+            while x < b:
+                k, lo = self._locate(x)
+                end = min(b, int(self._starts[k + 1]))
+                pieces.append(self._segs[k][lo: lo + end - x])
+                x = end
+            return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+        i = int(idx)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"row {idx} out of range for {n} rows")
+        k, lo = self._locate(i)
+        return self._segs[k][lo]
+
+    def __array__(self, dtype=None, copy=None):
+        out = np.concatenate(self._segs) if self._segs else np.zeros((0,) + self._row, self.dtype)
+        return out if dtype is None else out.astype(dtype)
+
+
+def join_rows(parts) -> "RowSegments":
+    """Arrays and :class:`RowSegments` as one :class:`RowSegments` (no copy of the rows)."""
+    segs = []
+    for x in parts:
+        segs += x._segs if isinstance(x, RowSegments) else [x]
+    return RowSegments(segs)
+
+
+def _npz_member(path: str, name: str):
+    """The array ``name`` of the npz file ``path`` memory-mapped (read-only) when it is stored
+    uncompressed (as :func:`_write_part` writes it: ``np.savez``); loaded otherwise."""
+    import struct
+    import zipfile
+
+    with zipfile.ZipFile(path) as zf:
+        info = zf.getinfo(name + ".npy")
+    if info.compress_type != zipfile.ZIP_STORED:
+        return np.load(path)[name]
+    with open(path, "rb") as f:
+        f.seek(info.header_offset)
+        local = f.read(30)
+        name_len, extra_len = struct.unpack("<HH", local[26:30])
+        f.seek(info.header_offset + 30 + name_len + extra_len)
+        version = np.lib.format.read_magic(f)
+        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, fortran, dtype = read(f)
+        offset = f.tell()
+    if dtype.hasobject or fortran or not shape or 0 in shape:  # a row of a Fortran-order array spans the file
+        return np.load(path)[name]
+    return np.memmap(path, dtype=dtype, mode="r", shape=shape, offset=offset)
+
+
 def collect_parts(parts_dir: str) -> tuple[list[dict], dict]:
     """All finished parts of ``parts_dir`` as ``(seqs, arrays)``: the sequence dicts, each
-    with its ``offset`` (first row) into the concatenated arrays ``hidden`` [N, F] (float32 [N, D], or
-    float16 fused features [N, len·D]),
-    ``topk_p`` [N, k] float32, ``topk_idx`` [N, k] int32 and ``argmax`` [N] int32.
+    with its ``offset`` (first row) into the arrays ``hidden`` [N, F] (float32 [N, D], or
+    float16 fused features [N, len·D]: a :class:`RowSegments` of the parts' arrays memory-mapped
+    from the part files, so a data set larger than memory can be read),
+    ``topk_p`` [N, k] float32, ``topk_idx`` [N, k] int32 and ``argmax`` [N] int32 (in memory).
 
     Raises:
       DistillError: no finished part in ``parts_dir``.
     """
-    seqs, arrs = [], defaultdict(list)
+    seqs, arrs, hidden = [], defaultdict(list), []
     off = 0
     for name in sorted(os.listdir(parts_dir)):
         if not (name.startswith("part_") and name.endswith(".npz")) or ".tmp" in name:
             continue
-        z = np.load(os.path.join(parts_dir, name))
+        path = os.path.join(parts_dir, name)
+        z = np.load(path)
         for q in json.loads(str(z["seqs"])):
             q["offset"] = off
             off += len(q["ids"])
             seqs.append(q)
-        for k in ("hidden", "topk_p", "topk_idx", "argmax"):
+        for k in ("topk_p", "topk_idx", "argmax"):
             arrs[k].append(z[k])
+        hidden.append(_npz_member(path, "hidden"))
     if not seqs:
         raise DistillError(f"{parts_dir}: no generated data yet")
-    return seqs, {k: np.concatenate(v) for k, v in arrs.items()}
+    return seqs, {"hidden": RowSegments(hidden), **{k: np.concatenate(v) for k, v in arrs.items()}}
 
 
 def collect_data(dirs: list[str]) -> tuple[list[dict], dict]:
     """Several data sets (``collect_parts`` of each) as one. A continuation present in more
     than one set is kept once: the greedy one of a prompt (``sample`` 0, the same for every
     seed) or a sampled one with the same seed and sample index. Returns ``(seqs, arrays)``
-    as :func:`collect_parts` (offsets into the merged arrays).
+    as :func:`collect_parts` (offsets into the merged arrays; ``hidden`` still memory-mapped).
 
     Raises:
       DistillError: a directory with no finished part.
@@ -364,7 +456,7 @@ def collect_data(dirs: list[str]) -> tuple[list[dict], dict]:
                 arrs[name].append(v[lo: lo + n])
             seqs.append(dict(q, offset=off))
             off += n
-    return seqs, {k: np.concatenate(v) for k, v in arrs.items()}
+    return seqs, {k: (join_rows(v) if k == "hidden" else np.concatenate(v)) for k, v in arrs.items()}
 
 
 # How much a teacher-forced installed-text token counts when the sub-vocabulary is chosen, next to a

@@ -49,7 +49,7 @@ import numpy as np
 from specjax.train.batches import build_batch, make_windows, sub_positions, window_order
 from specjax.train.benchmark import bench  # specjax.train.distill.bench: the --bench entry point
 from specjax.train.common import DistillError, log
-from specjax.train.data import (choose_sub_vocab, collect_data, collect_parts, generate_data, self_prompts,
+from specjax.train.data import (choose_sub_vocab, collect_data, collect_parts, generate_data, join_rows, self_prompts,
                                 teacher_forced_data, text_windows)
 from specjax.train.export import export_drafter
 from specjax.train.loop import (TrainState, evaluate, format_alphas, make_eval_fn, make_optimizer, make_train_step,
@@ -335,7 +335,8 @@ def _add_onpolicy(r: DistillRun, cfg, params: dict, ds: dict) -> None:
     n0 = len(data["argmax"])
     base = [] if s.data == "drafter" else windows
     allseqs = seqs + [dict(q, offset=q["offset"] + n0, split="train") for q in oseqs]
-    alldata = {k: np.concatenate([data[k], odata[k]]) for k in data}
+    alldata = {k: (join_rows([data[k], odata[k]]) if k == "hidden" else np.concatenate([data[k], odata[k]]))
+               for k in data}
     ow = make_windows(oseqs, s.window)
     ds.update(seqs=allseqs, data=alldata, windows=base + [(len(seqs) + i, st) for i, st in ow])
     log(f"on-policy data: {len(oseqs)} drafter sequences; {len(ds['windows'])} training windows now")

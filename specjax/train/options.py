@@ -124,7 +124,7 @@ def check_block_args(s) -> None:
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise DistillError(f"{_flag(name)} must be an integer >= 1 ({what}), got {v}")
     pd = getattr(s, "position_decay", None)
-    if not (isinstance(pd, (int, float)) and math.isfinite(pd) and pd > 0):
+    if pd is not None and not (isinstance(pd, (int, float)) and math.isfinite(pd) and pd > 0):  # None: the default
         raise DistillError(f"--position-decay must be a finite number > 0 (decay length of the per-slot loss "
                            f"weights; default --block-size / 2), got {pd}")
     if s.window is not None and s.block_size >= s.window:
