@@ -187,6 +187,9 @@ def no_load(monkeypatch):
     (["--block-size", "32"], ["--block-size 32 must be smaller than --window 32"]),
     (["--copy-ngram", "2"], ["--copy-ngram", "drop --copy-ngram"]),
     (["--data", "both", "--onpolicy-after", "1"], ["--data", "use --data target"]),
+    (["--ttt-steps", "5"], ["--ttt-steps is an EAGLE-drafter option, ignored by --arch block: drop it"]),
+    (["--gamma", "6"], ["--gamma", "--block-size"]),
+    (["--unroll-weight", "1"], ["--unroll-weight", "EAGLE"]),
     (["--init-from", "{tmp}"], ["--init-from", "block_drafter.json"]),
     (["--steps", "-1"], ["--steps"]),
 ])

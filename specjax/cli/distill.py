@@ -8,6 +8,7 @@ import importlib
 from specjax.drafters import registry
 from specjax.train.benchmark import bench
 from specjax.train.common import DistillError
+from specjax.train.options import EAGLE_ONLY_DEFAULTS
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -34,8 +35,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", default=None, nargs="+", metavar="DIR",
                    help="reuse the data set(s) of other runs (their DIR/data; several are merged, shared greedy "
                         "continuations kept once) instead of generating one")
-    p.add_argument("--onpolicy-after", type=int, default=0)
-    p.add_argument("--gamma", type=int, default=4,
+    p.add_argument("--onpolicy-after", type=int, default=EAGLE_ONLY_DEFAULTS["onpolicy_after"])
+    p.add_argument("--gamma", type=int, default=EAGLE_ONLY_DEFAULTS["gamma"],
                    help="the draft depth γ (drafts per round) the drafter is trained for (a block drafter trains "
                         "--block-size instead); recorded in DIR/run.json. The eagle kind's training does not depend "
                         "on it: how far it looks ahead is set by its unrolled pass (--unroll-weight) or, with "
@@ -72,7 +73,7 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
                    help="EAGLE-3 fused features: the target blocks (0-based) whose outputs the drafter reads, e.g. "
                         "1,14,27; 'eagle3' = blocks 1, L/2-1 and L-3 of an L-block target; default: the final "
                         "hidden state (EAGLE-1/2)")
-    p.add_argument("--ttt-steps", type=int, default=3, metavar="K",
+    p.add_argument("--ttt-steps", type=int, default=EAGLE_ONLY_DEFAULTS["ttt_steps"], metavar="K",
                    help="with --feature-layers: training-time test, the drafter unrolled K steps on its own "
                         "features with the loss on each (EAGLE-3)")
 
@@ -96,12 +97,12 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-temperature", type=float, default=0.8,
                    help="temperature of the extra sampled continuations (the stored targets stay temperature 1)")
     p.add_argument("--topk", type=int, default=16, help="target probabilities stored per position")
-    p.add_argument("--ce-weight", type=float, default=1.0,
+    p.add_argument("--ce-weight", type=float, default=EAGLE_ONLY_DEFAULTS["ce_weight"],
                    help="cross-entropy weight next to the feature regression (EAGLE-1/2 drafters; fused-feature "
                         "drafters have no feature regression)")
-    p.add_argument("--ce", default="full", choices=["full", "topk"],
+    p.add_argument("--ce", default=EAGLE_ONLY_DEFAULTS["ce"], choices=["full", "topk"],
                    help="cross-entropy over the whole sub-vocabulary, or only among the target's top-k")
-    p.add_argument("--unroll-weight", type=float, default=0.5,
+    p.add_argument("--unroll-weight", type=float, default=EAGLE_ONLY_DEFAULTS["unroll_weight"],
                    help="loss weight of the unrolled pass (own features); with --feature-layers, of each "
                         "training-time-test step after the first")
 

@@ -20,10 +20,10 @@ def add_model_args(p: argparse.ArgumentParser, multi_draft: bool = False, mesh: 
     p.add_argument("--config", help="pair config: a TOML path or the name of a shipped config in configs/")
     p.add_argument("--model", default=None, help="target: .gguf file, HF model dir or hub id (default: embedded SmolLM2-135M-Instruct)")
     if multi_draft:
-        p.add_argument("--draft", nargs="+", default=None, help="drafters: none, ngram[:N], default, PATH_OR_ID (several allowed)")
+        p.add_argument("--draft", nargs="+", default=None, help="drafters: none, ngram[:N], default, shipped:NAME, PATH_OR_ID (several allowed)")
         p.add_argument("--gamma", nargs="+", default=None, help="draft tokens per round γ (several allowed)")
     else:
-        p.add_argument("--draft", default=None, help="drafter: none, ngram[:N], default (trained, shipped), PATH_OR_ID")
+        p.add_argument("--draft", default=None, help="drafter: none, ngram[:N], default (trained, shipped), shipped:NAME (any drafter under models/), PATH_OR_ID")
         p.add_argument("--gamma", default=None, help="draft tokens per round γ (num_draft_tokens), or 'auto'")
     if trees:
         p.add_argument("--tree-nodes", type=int, default=None, metavar="N",

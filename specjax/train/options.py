@@ -16,6 +16,10 @@ RUN_KEYS = ("model", "prompts", "split", "steps", "seed", "batch_size", "lr", "e
             "train_only", "feature_layers", "ttt_steps", "text_corpus", "text_tokens", "text_window")
 # what a block-drafter run (--arch block, :mod:`specjax.train.block_distill`) records besides RUN_KEYS
 BLOCK_KEYS = ("arch", "block_size", "layers", "anchors", "position_decay")
+# the options only the EAGLE trainer reads, with their defaults (the CLI's defaults: specjax.cli.distill);
+# a block run given another value refuses it rather than ignore it
+EAGLE_ONLY_DEFAULTS = {"onpolicy_after": 0, "gamma": 4, "ttt_steps": 3, "ce_weight": 1.0, "ce": "full",
+                       "unroll_weight": 0.5}
 
 
 # (option, smallest allowed value, what it means) for distill's numeric options
@@ -136,6 +140,10 @@ def check_block_args(s) -> None:
         if bad:
             raise DistillError(f"{_flag(name)} is an EAGLE-drafter option; --arch block trains on target data "
                                f"only, without a copy term: {fix}")
+    for name, default in EAGLE_ONLY_DEFAULTS.items():
+        if getattr(s, name, default) != default:
+            hint = " (a block drafter trains --block-size draft tokens)" if name == "gamma" else ""
+            raise DistillError(f"{_flag(name)} is an EAGLE-drafter option, ignored by --arch block{hint}: drop it")
     init = getattr(s, "init_from", None)
     if init and not os.path.isfile(os.path.join(os.path.expanduser(init), MARKER)):
         raise DistillError(f"--init-from {init}: not a block drafter (no {MARKER}); give the DIR/drafter of a "
