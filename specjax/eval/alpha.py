@@ -155,9 +155,15 @@ def measure_alpha(
     if slots == 1:
         return _alpha_summary(prompts, [np.clip(b, 0.0, 1.0) for b in betas])
     out = _alpha_summary(prompts, [np.clip(b[:, 0], 0.0, 1.0) for b in betas])
-    allb = np.clip(np.concatenate(betas), 0.0, 1.0) if betas else np.zeros((0, slots))
-    out["alpha_by_position"] = [float(np.nanmean(c)) if np.isfinite(c).any() else 0.0 for c in allb.T]
+    out["alpha_by_position"] = _by_position(betas, slots)
     return out
+
+
+def _by_position(betas: Sequence[np.ndarray], slots: int) -> list[float]:
+    """Per-slot α: the mean β of each column of the ``[n, slots]`` arrays ``betas`` over the positions
+    scored (NaN-free; 0.0 for a slot never scored)."""
+    allb = np.clip(np.concatenate(betas), 0.0, 1.0) if len(betas) else np.zeros((0, slots))
+    return [float(np.nanmean(c)) if np.isfinite(c).any() else 0.0 for c in allb.T]
 
 
 def _betas_teacher_forced(target, drafter, tok, starts, counts, width, sp_kw, batch_size, progress):
@@ -344,7 +350,6 @@ def alpha_by_decoding(target, drafter, prompts: Sequence[dict], progs: dict, set
         by_slot.append(b.reshape(len(new), slots))
         conts.append(new)
     out = {**_alpha_summary(prompts, betas), "continuations": conts}
-    if slots > 1:  # one pass drafts every slot: per-slot rates (NaN-free means over the positions scored)
-        allb = np.concatenate(by_slot) if by_slot else np.zeros((0, slots))
-        out["alpha_by_position"] = [float(np.nanmean(c)) if np.isfinite(c).any() else 0.0 for c in allb.T]
+    if slots > 1:  # one pass drafts every slot: per-slot rates
+        out["alpha_by_position"] = _by_position(by_slot, slots)
     return out
