@@ -6,8 +6,9 @@ prompt and buffer buckets), 48 greedy tokens each (EOS ignored, so every row run
 every weight format: each short row decoded alone (another prompt bucket and row count than the
 batch's) == in the batch of 5 == in the batch reversed (every row), for
 autoregressive decoding and speculative decoding with the n-gram drafter at γ 4, the shipped drafter at
-γ 1 and 4, and the shipped block drafter (issue 28: one drafter pass per round) as a chain of
-γ 4 and as a one-pass tree (N 8, D 4, K 2), and speculative == autoregressive.
+γ 4 (and γ 1 in int8), and the shipped block drafter (issue 28: one drafter pass per round) as a chain of
+γ 4 (float32, int8) and as a one-pass tree (N 8, D 4, K 2; float32), and speculative == autoregressive
+(the cases of each format: ``METHODS``).
 
 bfloat16 and int8: no divergence at all (the kernels are batch-invariant by construction:
 docs/design.md, "Batch invariance"). float32: its matmul kernels round differently for
@@ -29,8 +30,15 @@ QUESTIONS = os.path.join(os.path.dirname(__file__), "data", "spec_bench", "quest
 NEW_TOKENS = 48
 LONGER_QID = 113  # a Spec-Bench math question of the excerpt (99 tokens with the chat template)
 NEAR_TIE = 1e-4
-# n-gram at γ 4 only (γ 1's 2-token verification is the shipped drafter's default:1 case), to keep CI's minutes
-METHODS = ("ar", "ngram:4", "default:1", "default:4", "block:4", "block:tree")
+# The methods of each format (CI's minutes: each case costs ≈ 1.5–2 min, mostly compiling its programs).
+# Every format: autoregressive, the n-gram drafter at γ 4 and the shipped drafter at γ 4 (chains verified as
+# chain trees). γ 1 (a 2-token verification) in int8, the format of its regression (the test below); the
+# block drafter as a chain in float32 and int8 (its own int8 kernels) and as a one-pass tree in float32 (in
+# bfloat16 it computes in float32 with rounded weights, the float32 code; the target's side of bfloat16 is
+# the other methods' cases).
+METHODS = {"float32": ("ar", "ngram:4", "default:4", "block:4", "block:tree"),
+           "bfloat16": ("ar", "ngram:4", "default:4"),
+           "int8": ("ar", "ngram:4", "default:1", "default:4", "block:4")}
 BLOCK_DRAFTER = "shipped:smollm2-135m-instruct-block"  # the shipped block drafter (--draft value)
 BLOCK_TREE = (8, 4, 2)  # nodes, depth, top-k of the block drafter's one-pass tree
 
@@ -101,8 +109,8 @@ def _cases():
     gate_matrix``, ≈ 15 min on 2 cores); a case run alone (``-k``) makes its own
     autoregressive reference. (The suite's own real-model check is
     ``test_verification_blocks_equal_one_token_calls_int8_in_prompt``.)"""
-    for fmt in ("float32", "bfloat16", "int8"):
-        for method in METHODS:  # methods vary fastest: one format loaded at a time
+    for fmt, methods in METHODS.items():
+        for method in methods:  # methods vary fastest: one format loaded at a time
             group = pytest.mark.xdist_group(fmt)  # one worker per format under pytest -n (shared AR run)
             yield pytest.param(fmt, method, marks=(group, pytest.mark.gate_matrix), id=f"{fmt}-{method}")
 

@@ -121,6 +121,28 @@ def check_tree_drafter(tree: TreeShape | None, drafter) -> None:
                          "--draft ngram, default or an EAGLE drafter); use tree topk 1 or --gamma")
 
 
+def shared_prompts(prompts) -> tuple[list[list[int]], np.ndarray, np.ndarray] | None:
+    """How a batch with repeated prompts shares one prefill per distinct prompt (n samples of a
+    prompt, best-of-n, a chi-square over thousands of rows of one prompt: one prefill, not n).
+
+    Returns ``None`` when sharing saves nothing (every prompt distinct, after rounding), else
+    ``(distinct prompts padded with copies of the first to a power of two U, source [B] int32:
+    row → its prompt's index, first [U] int32: prompt → a row that has it)`` — the ``shared``
+    argument of :func:`specjax.runtime.loop._start`. U is a power of two so that the number of
+    prefill programs per bucket stays logarithmic in the batch."""
+    index: dict = {}
+    source = np.array([index.setdefault(tuple(int(t) for t in p), len(index)) for p in prompts], np.int32)
+    u = len(index)
+    width = 1 << max(0, u - 1).bit_length()
+    if width >= len(prompts):
+        return None
+    first = np.zeros(width, np.int32)
+    for row, k in reversed(list(enumerate(source.tolist()))):
+        first[k] = row
+    distinct = [list(k) for k in index] + [list(index)[0]] * (width - u)
+    return [list(p) for p in distinct], source, first
+
+
 def _validate(prompts, max_new_tokens, gamma, drafter, ctx_limit):
     if not prompts:
         raise ValueError("no prompts given; pass at least one prompt")
@@ -279,8 +301,10 @@ class Decoder:
         mn = np.broadcast_to(np.asarray(max_new_tokens, np.int64), (b,))
         mn = np.minimum(mn, ctx_limit - plens).astype(np.int32)  # the context limit, per row
         p_bucket = prompt_bucket(int(plens.max()), self.prompt_bucket)
-        prompt = np.zeros((b, p_bucket), np.int32)
-        for i, p in enumerate(prompts):
+        shared = shared_prompts(prompts) if self.mesh is None else None  # (a mesh shards rows: no sharing)
+        rows = prompts if shared is None else shared[0]
+        prompt = np.zeros((len(rows), p_bucket), np.int32)
+        for i, p in enumerate(rows):
             prompt[i, : len(p)] = p
         if sampling is None:
             sampling = SamplingParams.create(b)
@@ -293,6 +317,8 @@ class Decoder:
         dparams = None if self.drafter is None else self.drafter.params
         args = (self.target.params, dparams, jnp.asarray(prompt), jnp.asarray(plens), jnp.asarray(mn),
                 jnp.asarray(eos_arr), jnp.asarray(keys), sampling)
+        if shared is not None:
+            args += ((jnp.asarray(shared[1]), jnp.asarray(shared[2])),)
         if self.mesh is not None:  # rows on `data` (padded to a multiple of it)
             from specjax.runtime import sharding
 

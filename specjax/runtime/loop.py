@@ -192,22 +192,44 @@ def tree_scratch(shape: TreeShape) -> int:
     return max(shape.nodes, shape.topk * (shape.depth - 1))
 
 
-def _start(prog: Program, tparams, dparams, prompt, prompt_lengths, max_new, eos, keys, sampling) -> DecodeState:
-    """Prefill: write the prompt into the buffer, fill target (and drafter) caches."""
-    b, p = prompt.shape
+def _start(prog: Program, tparams, dparams, prompt, prompt_lengths, max_new, eos, keys, sampling,
+           shared=None) -> DecodeState:
+    """Prefill: write the prompt into the buffer, fill target (and drafter) caches.
+
+    ``prompt [B, P]`` int32, one row per request; or, with ``shared = (source [B], first [U])``
+    int32, ``prompt [U, P]`` holds the DISTINCT prompts of the batch: row b's prompt is
+    ``prompt[source[b]]`` and ``first[u]`` is a row whose prompt is u. The target (and drafter)
+    prefill then runs once per distinct prompt and its caches are copied to the rows that share it
+    (n samples of one prompt cost one prefill: :func:`shared_prompts`). The prefill draws nothing
+    (the first new token is sampled by the first round), so sharing changes no row's randomness."""
+    b = prompt_lengths.shape[0]
+    uprompt = prompt
+    if shared is not None:
+        source, first = shared
+        prompt = jnp.take(uprompt, source, axis=0)
+    p = prompt.shape[1]
     tokens = jnp.zeros((b, prog.buffer_len), jnp.int32).at[:, :p].set(prompt)
-    cache = llama.KVCache.create(prog.cfg, b, prog.buffer_len, jnp.dtype(prog.cache_dtype))
-    pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    u = uprompt.shape[0]
+    cache = llama.KVCache.create(prog.cfg, u, prog.buffer_len, jnp.dtype(prog.cache_dtype))
+    pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (u, p))
     # K/V of every prompt slot (slots ≥ length-1 hold stale values that later writes replace)
-    h, cache = llama.forward(prog.graphdef, tparams, prompt, pos, cache, prog.cfg, feature_layers=prog.feature_layers)
+    h, cache = llama.forward(prog.graphdef, tparams, uprompt, pos, cache, prog.cfg, feature_layers=prog.feature_layers)
     vocab = prog.cfg.vocab_size
     in_prompt = jnp.arange(p)[None, :] < prompt_lengths[:, None]
     seen = jnp.zeros((b, vocab), bool).at[jnp.arange(b)[:, None], jnp.where(in_prompt, prompt, vocab)].set(
         True, mode="drop")
-    cache = dataclasses.replace(cache, lengths=prompt_lengths - 1)
-    # Feature-level drafters read the target's hidden states of the prompt ([B, P, D]).
-    ctx = DraftContext(tokens, prompt_lengths, sampling, h, jnp.zeros((b,), jnp.int32))
+    # Feature-level drafters read the target's hidden states of the prompt ([U, P, D]).
+    if shared is None:
+        ctx = DraftContext(tokens, prompt_lengths, sampling, h, jnp.zeros((b,), jnp.int32))
+    else:
+        def pick(tree, rows):
+            return jax.tree_util.tree_map(lambda x: jnp.take(x, rows, axis=0), tree)
+
+        ctx = DraftContext(tokens[first], prompt_lengths[first], pick(sampling, first), h, jnp.zeros((u,), jnp.int32))
     dstate = prog.drafter.init_state(dparams, ctx, prog.buffer_len) if prog.drafter is not None else ()
+    if shared is not None:  # every row gets its prompt's caches
+        cache, dstate = pick(cache, source), pick(dstate, source)
+    cache = dataclasses.replace(cache, lengths=prompt_lengths - 1)
     hidden = None
     if prog.drafter is not None:
         hidden = jnp.zeros((b, prog.gamma + 1, prog.feature_size), jnp.float32)
