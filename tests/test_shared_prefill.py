@@ -9,7 +9,6 @@ tree. The negative control routes a row to the wrong prompt's caches and must ch
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from conftest import tiny_model
