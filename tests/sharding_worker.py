@@ -205,7 +205,7 @@ def run_dist(port: int, pid: int, nproc: int):
     # gloo gives a peer only 30 s to join a collective, less than a compile on a loaded machine.
     prog, args = dec.prepare(prompts, **kw)
     dec._get("start", prog, args)
-    st = jax.eval_shape(lambda *a: decode._start(prog, *a), *args)
+    st = jax.eval_shape(lambda *a: decode.prefill(prog, *a), *args)
     st = jax.tree_util.tree_map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                                 st, sharding.state_shardings(prog, st, mesh))
     limit = jax.ShapeDtypeStruct((), np.int32, sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))

@@ -382,7 +382,7 @@ def test_sampling_settings_and_prompts_do_not_recompile(monkeypatch):
             lowerings.append(self.name)
             return self.fn.lower(*a, **k)
 
-    monkeypatch.setattr(decode, "_start_jit", Counting(decode._start_jit, "start"))
+    monkeypatch.setattr(decode, "prefill_jit", Counting(decode.prefill_jit, "start"))
     monkeypatch.setattr(decode, "_run_jit", Counting(decode._run_jit, "run"))
     m = tiny_model(seed=5)
     dec = Decoder(m)

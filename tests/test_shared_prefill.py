@@ -1,5 +1,5 @@
 """A batch with repeated prompts prefills each distinct prompt once (runtime/decoder.shared_prompts,
-runtime/loop._start's ``shared``): the rows' tokens are those of the unshared prefill.
+runtime/prefill.prefill's ``shared``): the rows' tokens are those of the unshared prefill.
 
 int8 (its kernels are batch-invariant: a row's numbers do not depend on the batch's row count), so
 shared and unshared prefill must give identical tokens, greedy and sampled (fixed seeds), for every

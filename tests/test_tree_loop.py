@@ -767,7 +767,7 @@ def test_no_slow_path_in_compiled_tree_decode(fmt):
     weight_shapes |= {s[::-1] for s in weight_shapes}
     d = Decoder(target, drafter, tree_nodes=8, tree_depth=4, tree_topk=2)
     prog, args = d.prepare([[3, 4, 5]], max_new_tokens=8)
-    sprog = D._start_program(prog)
-    st = D._size_for_gamma(D._start_jit(sprog, *args), prog)
+    sprog = D.prefill_program(prog)
+    st = D.size_for_gamma(D.prefill_jit(sprog, *args), prog)
     compiled = D._run_jit.lower(prog, args[0], args[1], st, jnp.int32(4)).compile()
     _no_slow_path(compiled.as_text(), fmt, weight_shapes)

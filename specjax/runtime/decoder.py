@@ -20,10 +20,10 @@ import numpy as np
 from specjax.core.drafting import MAX_GAMMA, TreeShape, require_drafter, row_context
 from specjax.core.sampling import SamplingParams
 from specjax.models.llama import kv_cache_dtype
-from specjax.runtime.loop import (  # noqa: F401  (_start/_run/… re-exported for sharding and tests)
-    DecodeState, Logprobs, Program, Stats, _run, _run_jit, _size_for_gamma, _start, _start_jit, _start_program,
-    tree_scratch,
+from specjax.runtime.loop import (  # noqa: F401  (_run/… re-exported for tests)
+    DecodeState, Logprobs, Program, Stats, _run, _run_jit, tree_scratch,
 )
+from specjax.runtime.prefill import prefill, prefill_jit, prefill_program, size_for_gamma  # noqa: F401  (prefill: for sharding tests)
 from specjax.runtime.progress import phase
 from specjax.runtime.results import GenerationResult, _result, row_stats  # noqa: F401  (re-exported)
 
@@ -128,7 +128,7 @@ def shared_prompts(prompts) -> tuple[list[list[int]], np.ndarray, np.ndarray] | 
     Returns ``None`` when sharing saves nothing (every prompt distinct, after rounding), else
     ``(distinct prompts padded with copies of the first to a power of two U, source [B] int32:
     row → its prompt's index, first [U] int32: prompt → a row that has it)`` — the ``shared``
-    argument of :func:`specjax.runtime.loop._start`. U is a power of two so that the number of
+    argument of :func:`specjax.runtime.prefill.prefill`. U is a power of two so that the number of
     prefill programs per bucket stays logarithmic in the batch."""
     index: dict = {}
     source = np.array([index.setdefault(tuple(int(t) for t in p), len(index)) for p in prompts], np.int32)
@@ -236,7 +236,7 @@ class Decoder:
         if hit is not None:
             return hit, 0.0
         t0 = time.perf_counter()
-        fn = _start_jit if which == "start" else _run_jit
+        fn = prefill_jit if which == "start" else _run_jit
         if self.mesh is not None:
             from specjax.runtime import sharding
 
@@ -333,10 +333,10 @@ class Decoder:
         prefill's output, :meth:`_run_shapes`), so a later :meth:`run` never compiles; the
         prefill is a phase of its own after it (both lines only when something was compiled).
         The prefill does not depend on γ: off a mesh it is compiled once per (drafter, shape
-        bucket) for every γ (:func:`_start_program`), and the γ-shaped parts of the state are
-        sized afterwards (:func:`_size_for_gamma`)."""
+        bucket) for every γ (:func:`prefill_program`), and the γ-shaped parts of the state are
+        sized afterwards (:func:`size_for_gamma`)."""
         prog, args = self.prepare(prompts, **kw)
-        sprog = prog if self.mesh is not None else _start_program(prog)
+        sprog = prog if self.mesh is not None else prefill_program(prog)
         known = self._compiled.get(self._key("start", sprog, args))
         fresh = known is None or self._key("run", prog, self._run_args(self._run_shapes(known, sprog, prog), 0)) \
             not in self._compiled
@@ -357,7 +357,7 @@ class Decoder:
             t0 = time.perf_counter()
             st = fn(*args)
             if sprog is not prog:
-                st = _size_for_gamma(st, prog)
+                st = size_for_gamma(st, prog)
             st = jax.block_until_ready(st)
             prefill_s = time.perf_counter() - t0
         return prog, st, c + c2, prefill_s
@@ -365,10 +365,10 @@ class Decoder:
     @staticmethod
     def _run_shapes(compiled_start, sprog, prog):
         """The state :meth:`start` gives to the decode loop, as shapes (``ShapeDtypeStruct`` with
-        shardings): the compiled prefill's output, with :func:`_size_for_gamma` applied when the
+        shardings): the compiled prefill's output, with :func:`size_for_gamma` applied when the
         prefill was compiled for a normalized program (nothing runs)."""
         info = compiled_start.out_info
-        return info if sprog is prog else jax.eval_shape(lambda s: _size_for_gamma(s, prog), info)
+        return info if sprog is prog else jax.eval_shape(lambda s: size_for_gamma(s, prog), info)
 
     def _run_args(self, st, round_limit):
         dparams = None if self.drafter is None else self.drafter.params

@@ -1,7 +1,7 @@
 """The decode loop: autoregressive and speculative decoding as jitted pure functions.
 
 One compiled program per (model configs, drafter, γ, batch, buffer bucket): the
-prefill (:func:`_start`) and the decode loop (:func:`_run`, a ``lax.while_loop``
+prefill (:func:`specjax.runtime.prefill.prefill`) and the decode loop (:func:`_run`, a ``lax.while_loop``
 over rounds until every row is done or a round limit is reached, so callers can
 stream in chunks of rounds without a host sync per token).
 
@@ -190,70 +190,6 @@ def tree_scratch(shape: TreeShape) -> int:
     N nodes, and a drafter's forest calls (:meth:`specjax.drafters.eagle.EagleDrafter.propose_tree`:
     K paths of up to D − 1 nodes). Buffers keep this many + 1 spare slots."""
     return max(shape.nodes, shape.topk * (shape.depth - 1))
-
-
-def _start(prog: Program, tparams, dparams, prompt, prompt_lengths, max_new, eos, keys, sampling,
-           shared=None) -> DecodeState:
-    """Prefill: write the prompt into the buffer, fill target (and drafter) caches.
-
-    ``prompt [B, P]`` int32, one row per request; or, with ``shared = (source [B], first [U])``
-    int32, ``prompt [U, P]`` holds the DISTINCT prompts of the batch: row b's prompt is
-    ``prompt[source[b]]`` and ``first[u]`` is a row whose prompt is u. The target (and drafter)
-    prefill then runs once per distinct prompt and its caches are copied to the rows that share it
-    (n samples of one prompt cost one prefill: :func:`shared_prompts`). The prefill draws nothing
-    (the first new token is sampled by the first round), so sharing changes no row's randomness."""
-    b = prompt_lengths.shape[0]
-    uprompt = prompt
-    if shared is not None:
-        source, first = shared
-        prompt = jnp.take(uprompt, source, axis=0)
-    p = prompt.shape[1]
-    tokens = jnp.zeros((b, prog.buffer_len), jnp.int32).at[:, :p].set(prompt)
-    u = uprompt.shape[0]
-    cache = llama.KVCache.create(prog.cfg, u, prog.buffer_len, jnp.dtype(prog.cache_dtype))
-    pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (u, p))
-    # K/V of every prompt slot (slots ≥ length-1 hold stale values that later writes replace)
-    h, cache = llama.forward(prog.graphdef, tparams, uprompt, pos, cache, prog.cfg, feature_layers=prog.feature_layers)
-    vocab = prog.cfg.vocab_size
-    in_prompt = jnp.arange(p)[None, :] < prompt_lengths[:, None]
-    seen = jnp.zeros((b, vocab), bool).at[jnp.arange(b)[:, None], jnp.where(in_prompt, prompt, vocab)].set(
-        True, mode="drop")
-    # Feature-level drafters read the target's hidden states of the prompt ([U, P, D]).
-    if shared is None:
-        ctx = DraftContext(tokens, prompt_lengths, sampling, h, jnp.zeros((b,), jnp.int32))
-    else:
-        def pick(tree, rows):
-            return jax.tree_util.tree_map(lambda x: jnp.take(x, rows, axis=0), tree)
-
-        ctx = DraftContext(tokens[first], prompt_lengths[first], pick(sampling, first), h, jnp.zeros((u,), jnp.int32))
-    dstate = prog.drafter.init_state(dparams, ctx, prog.buffer_len) if prog.drafter is not None else ()
-    if shared is not None:  # every row gets its prompt's caches
-        cache, dstate = pick(cache, source), pick(dstate, source)
-    cache = dataclasses.replace(cache, lengths=prompt_lengths - 1)
-    hidden = None
-    if prog.drafter is not None:
-        hidden = jnp.zeros((b, prog.gamma + 1, prog.feature_size), jnp.float32)
-    return DecodeState(
-        tokens=tokens,
-        lengths=prompt_lengths,
-        prompt_lengths=prompt_lengths,
-        max_new=max_new,
-        done=max_new <= 0,
-        eos=eos,
-        keys=keys,
-        round=jnp.int32(0),
-        sampling=sampling,
-        seen=seen,
-        counts=jnp.zeros((b, vocab), jnp.int32),
-        target_cache=cache,
-        drafter_state=dstate,
-        target_hidden=hidden,
-        last_accepted=jnp.zeros((b,), jnp.int32),
-        stats=Stats.zeros(b, prog.gamma if prog.drafter is not None else 0),
-        emit_round=jnp.zeros((b, prog.buffer_len), jnp.int32),
-        emit_info=jnp.zeros((b, prog.buffer_len), jnp.int32),
-        logprobs=Logprobs.zeros(b, prog.buffer_len, prog.logprobs) if prog.logprobs >= 0 else None,
-    )
 
 
 def verification_mask(batch: int, t: int):
@@ -593,26 +529,6 @@ def _run(prog: Program, tparams, dparams, st: DecodeState, round_limit) -> Decod
     )
 
 
-def _start_program(prog: Program) -> Program:
-    """The program :func:`_start` is compiled for: γ only shapes the zero ``target_hidden``
-    and ``accept_hist`` (see :func:`_size_for_gamma`), so it is normalized to 1 (and a tree,
-    which the prefill does not use, to none)."""
-    if prog.drafter is None or (prog.gamma == 1 and prog.tree is None):
-        return prog
-    return dataclasses.replace(prog, gamma=1, tree=None)
-
-
-def _size_for_gamma(st: DecodeState, prog: Program) -> DecodeState:
-    """Give a state from the γ-normalized prefill the zero ``[B, γ+1, ·]`` arrays of ``prog``."""
-    b = st.lengths.shape[0]
-    # distinct buffers (the run program donates the state; Stats.zeros shares one array)
-    stats = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), Stats.zeros(b, prog.gamma))
-    return dataclasses.replace(
-        st, target_hidden=jnp.zeros((b, prog.gamma + 1, prog.feature_size), jnp.float32), stats=stats
-    )
-
-
-_start_jit = jax.jit(_start, static_argnums=0)
 _run_jit = jax.jit(_run, static_argnums=0, donate_argnums=3)
 
 

@@ -421,7 +421,7 @@ def _pad_rows(x, pad: int):
 
 
 def shard_start_args(args, mesh: Mesh):
-    """Pad the per-row start arguments of :func:`specjax.runtime.decoder._start` to a multiple of the
+    """Pad the per-row start arguments of :func:`specjax.runtime.prefill.prefill` to a multiple of the
     ``data`` axis (extra rows copy row 0 with ``max_new = 0``: done from the start) and
     place them with rows on ``data``. Parameters are left as they are."""
     tparams, dparams, prompt, plens, max_new, eos, keys, sampling = args
@@ -457,13 +457,14 @@ def state_shardings(prog, state, mesh: Mesh):
 
 
 def decode_jit(which: str, prog, args, mesh: Mesh):
-    """``jit`` of :func:`specjax.runtime.decoder._start` / ``_run`` with output shardings on ``mesh``
-    (inputs are already placed; GSPMD partitions the rest)."""
+    """``jit`` of :func:`specjax.runtime.prefill.prefill` / :func:`specjax.runtime.loop._run` with
+    output shardings on ``mesh`` (inputs are already placed; GSPMD partitions the rest)."""
     from specjax.runtime import loop as decode
+    from specjax.runtime.prefill import prefill
 
     if which == "start":
-        shape = jax.eval_shape(lambda *a: decode._start(prog, *a), *args)
-        return jax.jit(decode._start, static_argnums=0, out_shardings=state_shardings(prog, shape, mesh))
+        shape = jax.eval_shape(lambda *a: prefill(prog, *a), *args)
+        return jax.jit(prefill, static_argnums=0, out_shardings=state_shardings(prog, shape, mesh))
     return jax.jit(decode._run, static_argnums=0, donate_argnums=3,
                    out_shardings=state_shardings(prog, args[2], mesh))
 
