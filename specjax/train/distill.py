@@ -49,8 +49,8 @@ import numpy as np
 from specjax.train.batches import build_batch, make_windows, sub_positions, window_order
 from specjax.train.benchmark import bench  # specjax.train.distill.bench: the --bench entry point
 from specjax.train.common import DistillError, log
-from specjax.train.data import (choose_sub_vocab, collect_data, collect_parts, generate_data, join_rows, self_prompts,
-                                teacher_forced_data, text_windows)
+from specjax.train.data import choose_sub_vocab, collect_data, collect_parts, generate_data, join_rows, self_prompts
+from specjax.train.text_data import teacher_forced_data, text_windows
 from specjax.train.export import export_drafter
 from specjax.train.loop import (TrainState, evaluate, format_alphas, make_eval_fn, make_optimizer, make_train_step,
                                 open_checkpoints, record_eval, restore_latest, train)
