@@ -33,3 +33,38 @@ def test_decode_settings_validate_and_derive():
                 dict(top_p=0), dict(top_p=1.5), dict(seed=-1), dict(seed=2 ** 64), dict(batch_size=0)):
         with pytest.raises(ValueError):
             DecodeSettings(**bad)
+
+
+def test_row_stats_are_typed_and_read_as_the_documented_mapping():
+    """``GenerationResult.stats[i]`` is a :class:`specjax.RowStats`: typed fields, and a read-only
+    mapping with exactly the documented JSON field names (``dict(stats)``, ``stats[name]``), equal to
+    that dict; unknown names raise ``KeyError``; it cannot be changed."""
+    import dataclasses
+    import json
+
+    from conftest import tiny_model
+
+    import specjax
+    from specjax.drafters.ngram import NgramDrafter
+
+    res = specjax.Decoder(tiny_model(seed=1), NgramDrafter(3), gamma=2).generate([[3, 4, 3, 4, 3]], max_new_tokens=6,
+                                                                              eos_ids=[])
+    s = res.stats[0]
+    assert isinstance(s, specjax.RowStats)
+    names = ["new_tokens", "target_calls", "draft_calls", "drafted_tokens", "accepted_tokens", "checked_tokens",
+             "mean_accepted_tokens", "acceptance_rate", "accept_hist", "finish_reason"]
+    assert list(s) == names and list(dict(s)) == names
+    assert s.new_tokens == s["new_tokens"] == 6 and s.finish_reason == "length"
+    assert s == dict(s) and dict(s) == s and s != dict(s, new_tokens=5)
+    assert s.mean_accepted_tokens == 6 / s.target_calls and s.get("absent") is None
+    json.dumps(dict(s))  # plain JSON types
+    try:
+        s["absent"]
+        raise AssertionError("an unknown name must raise KeyError")
+    except KeyError:
+        pass
+    try:
+        s.new_tokens = 0
+        raise AssertionError("RowStats must be frozen")
+    except dataclasses.FrozenInstanceError:
+        pass

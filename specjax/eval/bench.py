@@ -91,7 +91,7 @@ def _batch_record(method: str, category: str, bi: int, rows_meta: list[dict], re
     rows = []
     for meta, toks, st in zip(rows_meta, res.tokens, res.stats):
         rows.append({"question_id": meta["question_id"], "category": meta["category"], "new_tokens": len(toks),
-                     "stats": st, "tokens": toks})
+                     "stats": dict(st), "tokens": toks})
     return {"method": method, "category": category, "batch": bi, "batch_size": len(rows_meta),
             "decode_s": res.decode_s, "prefill_s": res.prefill_s, "wall_s": max(0.0, wall - res.compile_s),
             "calls": calls, "draft_steps": draft_calls * draft_steps_per_call, "rows": rows}

@@ -25,7 +25,7 @@ from specjax.runtime.loop import (  # noqa: F401  (_run/… re-exported for test
 )
 from specjax.runtime.prefill import prefill, prefill_jit, prefill_program, size_for_gamma  # noqa: F401  (prefill: for sharding tests)
 from specjax.runtime.progress import phase
-from specjax.runtime.results import GenerationResult, _result, row_stats  # noqa: F401  (re-exported)
+from specjax.runtime.results import GenerationResult, RowStats, _result, row_stats  # noqa: F401  (re-exported)
 
 PROMPT_BUCKET = 32  # smallest prompt bucket; prompts pad to the next power of two ≥ this
 BUFFER_BUCKET = 64

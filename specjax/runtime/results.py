@@ -6,11 +6,52 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 import jax
 import numpy as np
 
 from specjax.runtime.loop import DecodeState
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RowStats(Mapping):
+    """The statistics of one decoded row (``GenerationResult.stats[i]``), typed; also a read-only
+    mapping by field name (``stats["new_tokens"]``, ``dict(stats)``: the documented JSON field
+    names), equal to a dict of the same items.
+
+    Counters count only the row's emitted tokens (:func:`row_stats`, the one definition):
+    ``new_tokens``; ``target_calls`` (after prefill); ``draft_calls``; ``drafted_tokens``
+    (offered); ``accepted_tokens``; ``checked_tokens`` (accepted + the rejected one per round);
+    ``mean_accepted_tokens`` τ = new tokens ÷ target calls (Spec-Bench's τ; 0.0 for a row with
+    no target call); ``acceptance_rate`` = accepted ÷ checked (``None`` without a drafter or when
+    nothing was checked); ``accept_hist`` rounds by accepted drafts (index n = n accepted);
+    ``finish_reason`` ``"eos"``, ``"stop"`` or ``"length"``."""
+
+    new_tokens: int
+    target_calls: int
+    draft_calls: int
+    drafted_tokens: int
+    accepted_tokens: int
+    checked_tokens: int
+    mean_accepted_tokens: float
+    acceptance_rate: float | None
+    accept_hist: list
+    finish_reason: str
+
+    def __getitem__(self, name: str):
+        if name in _STAT_KEYS:
+            return getattr(self, name)
+        raise KeyError(name)
+
+    def __iter__(self):
+        return iter(_STAT_KEYS)
+
+    def __len__(self) -> int:
+        return len(_STAT_KEYS)
+
+    def __repr__(self) -> str:
+        return "RowStats(" + ", ".join(f"{k}={getattr(self, k)!r}" for k in _STAT_KEYS) + ")"
 
 
 @dataclasses.dataclass
@@ -19,13 +60,12 @@ class GenerationResult:
 
     tokens: per row, the new token ids (EOS / a stop token included when it ended the row;
       for a stop string, up to the token that completed it).
-    stats: per row, a dict (:func:`row_stats`): ``new_tokens``, ``target_calls``,
-      ``draft_calls``, ``drafted_tokens``, ``accepted_tokens``, ``checked_tokens``,
-      ``mean_accepted_tokens`` (new tokens ÷ target calls, Spec-Bench's τ),
+    stats: per row, a :class:`RowStats` (typed fields, also read as a mapping by name):
+      ``new_tokens``, ``target_calls``, ``draft_calls``, ``drafted_tokens``, ``accepted_tokens``,
+      ``checked_tokens``, ``mean_accepted_tokens`` (new tokens ÷ target calls, Spec-Bench's τ),
       ``acceptance_rate`` (accepted ÷ checked draft tokens; ``None`` without a drafter or when
-      no draft token was checked),
-      ``accept_hist``, ``finish_reason`` (``eos``, ``stop`` or ``length``). Every counter
-      counts only the emitted tokens.
+      no draft token was checked), ``accept_hist``, ``finish_reason`` (``eos``, ``stop`` or
+      ``length``). Every counter counts only the emitted tokens.
     compile_s, prefill_s, decode_s: seconds (compile excluded from the other two;
       0 when the programs were already compiled).
     logprobs: per row and emitted token ``{"id", "logprob", "top": [(id, logprob), ...]}``
@@ -33,7 +73,7 @@ class GenerationResult:
     """
 
     tokens: list[list[int]]
-    stats: list[dict]
+    stats: list[RowStats]
     compile_s: float
     prefill_s: float
     decode_s: float
@@ -111,7 +151,7 @@ def _result(st: DecodeState, compile_s, prefill_s, decode_s, cuts=None, model_eo
         s.update(accept_hist=hist.tolist(), mean_accepted_tokens=len(new) / calls if calls else 0.0,
                  acceptance_rate=s["accepted_tokens"] / checked if speculative and checked else None,
                  finish_reason=reason)
-        out_stats.append({k: s[k] for k in _STAT_KEYS})
+        out_stats.append(RowStats(**{k: s[k] for k in _STAT_KEYS}))
         if lp is not None:
             sl = slice(p, p + keep)
             out_lp.append([{"id": t, "logprob": float(a),
