@@ -22,7 +22,7 @@ from flax import nnx
 from specjax.eval import theory as analysis
 from specjax.eval import measure
 from specjax.cli import main
-from specjax.runtime.decoder import Decoder, _result
+from specjax.runtime.decoder import Decoder, host_result
 from specjax.drafters.model import ModelDrafter
 from specjax.io.loading import Model
 from specjax.models import llama
@@ -153,7 +153,7 @@ def test_gate_mean_accepted_tokens_matches_expected_tokens(beta_tenths):
     prog, st, _, _ = dec.start(prompts, max_new_tokens=rounds * (gamma + 1) + 1,
                                sampling=SamplingParams.create(b, temperature=1.0), seed=beta_tenths, eos_ids=[])
     st, _, _ = dec.run(prog, st, rounds)
-    res = _result(st, 0.0, 0.0, 0.0)
+    res = host_result(st, 0.0, 0.0, 0.0)
     assert all(s["target_calls"] == rounds and s["drafted_tokens"] == rounds * gamma for s in res.stats)
     assert all(s["finish_reason"] == "length" for s in res.stats)
     assert all(0 <= t < 10 for row in res.tokens for t in row)  # the target's support only

@@ -12,6 +12,11 @@ to the backend (a persistent-cache hit included, eager helper ops included) — 
 
 The counter is proven live in the same test: the first batch compiles, and a batch in the next
 prompt bucket compiles the prefill and decode loop again.
+
+Repeated prompts share one prefill per distinct prompt (runtime/decoder.shared_prompts): a batch with
+repeats runs a prefill program of its own (the distinct prompts, rounded up to a power of two, are
+its rows) and the same decode loop; checked here: such a batch compiles that one prefill and nothing
+else, and the next batch with the same number of distinct prompts compiles nothing.
 """
 
 from __future__ import annotations
@@ -92,7 +97,7 @@ def test_no_recompilation_within_a_bucket(kind):
                      sampling=SamplingParams.create(BATCH, temperature=[0.0, 0.8, 1.0], top_k=[0, 20, 0],
                                                     top_p=[1.0, 1.0, 0.9]),
                      stop_fn=_cut_row1)
-    assert any("_start" in n for n in warm) and any("_run" in n for n in warm), warm  # the counter is live
+    assert any("prefill" in n for n in warm) and any("run_rounds" in n for n in warm), warm  # the counter is live
 
     batches = _batches(rng)
     # the batches really are in the first batch's buckets: one prompt bucket, one program
@@ -106,7 +111,15 @@ def test_no_recompilation_within_a_bucket(kind):
             call(dec, prompts, mn)
     assert later == [], f"{len(later)} XLA compilations after the first batch, within its bucket: {later}"
 
+    a, b, c, d = _prompts(rng, [7, 21, 30, 12])
+    with count_compiles() as shared:  # 2 distinct prompts in 3 rows: a 2-row prefill, the same decode loop
+        dec.generate([a, a, b], max_new_tokens=first_mn, seed=4)
+    assert shared and all("prefill" in n for n in shared), shared
+    with count_compiles() as again:
+        dec.generate([c, d, d], max_new_tokens=9, seed=5, sampling=SamplingParams.create(BATCH, temperature=0.9))
+    assert again == [], f"a second batch with 2 distinct prompts compiled {again}"
+
     # the next prompt bucket does compile (prefill and decode loop), so the counter above could fail
     with count_compiles() as new_bucket:
         dec.generate(_prompts(rng, [33, 4, 9]), max_new_tokens=8, seed=0)
-    assert any("_start" in n for n in new_bucket) and any("_run" in n for n in new_bucket), new_bucket
+    assert any("prefill" in n for n in new_bucket) and any("run_rounds" in n for n in new_bucket), new_bucket

@@ -110,7 +110,7 @@ def test_no_slow_path_in_compiled_decode(fmt):
         prog, args = d.prepare([[3, 4, 5]], max_new_tokens=8)
         st = decode.prefill_jit(prog, *args)
         for compiled in (decode.prefill_jit.lower(prog, *args).compile(),
-                         decode._run_jit.lower(prog, args[0], args[1], st, jnp.int32(4)).compile()):
+                         decode.run_rounds_jit.lower(prog, args[0], args[1], st, jnp.int32(4)).compile()):
             _no_slow_path(compiled.as_text(), fmt, weight_shapes)
 
 

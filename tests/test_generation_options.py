@@ -20,7 +20,7 @@ from conftest import FakeStdin, tiny_model
 import specjax
 from specjax import cli
 from specjax.api import TextStream, generate_text, stop_cut
-from specjax.runtime.decoder import SEED_LIMIT, Decoder, _result, request_keys, row_stats, seed_key
+from specjax.runtime.decoder import SEED_LIMIT, Decoder, host_result, request_keys, row_stats, seed_key
 from specjax.drafters.model import ModelDrafter
 from specjax.drafters.ngram import NgramDrafter
 from specjax.core.sampling import SamplingParams
@@ -62,7 +62,7 @@ def test_counters_count_only_emitted_tokens(tiny, gamma):
         eos = next(x for k, x in enumerate(row) if k >= 3 and k % (gamma + 1) != gamma and x not in row[:k])
         prog, st, _, _ = dec.start([tiny["prompts"][r]], max_new_tokens=24, eos_ids=[eos])
         st, _, _ = dec.run(prog, st, 10_000)
-        res = _result(st, 0.0, 0.0, 0.0, model_eos=[eos])
+        res = host_result(st, 0.0, 0.0, 0.0, model_eos=[eos])
         s = res.stats[0]
         assert res.tokens[0] == row[: row.index(eos) + 1] and s["finish_reason"] == "eos"
         assert s["accepted_tokens"] <= s["new_tokens"] and s["acceptance_rate"] == 1.0

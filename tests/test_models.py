@@ -383,7 +383,7 @@ def test_sampling_settings_and_prompts_do_not_recompile(monkeypatch):
             return self.fn.lower(*a, **k)
 
     monkeypatch.setattr(decode, "prefill_jit", Counting(decode.prefill_jit, "start"))
-    monkeypatch.setattr(decode, "_run_jit", Counting(decode._run_jit, "run"))
+    monkeypatch.setattr(decode, "run_rounds_jit", Counting(decode.run_rounds_jit, "run"))
     m = tiny_model(seed=5)
     dec = Decoder(m)
     dec.generate([[3, 4, 5]], max_new_tokens=8, sampling=SamplingParams.create(1))

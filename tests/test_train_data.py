@@ -14,7 +14,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from specjax.train.data import RowSegments, _npz_member, _write_part, collect_data, collect_parts, join_rows
+from specjax.train.data import RowSegments, _npz_member, write_part, collect_data, collect_parts, join_rows
 
 
 def test_row_segments_read_like_the_concatenation():
@@ -61,7 +61,7 @@ def _write_set(d, n_parts, seq_len, width, seed, qid0=0):
         tps = [rng.random((seq_len, 4)).astype(np.float32) for _ in seqs]
         tis = [rng.integers(0, 50, (seq_len, 4)) for _ in seqs]
         ams = [rng.integers(0, 50, seq_len) for _ in seqs]
-        _write_part(os.path.join(d, f"part_{p:04d}.npz"), seqs, hid, tps, tis, ams, half=True)
+        write_part(os.path.join(d, f"part_{p:04d}.npz"), seqs, hid, tps, tis, ams, half=True)
 
 
 def test_collect_data_matches_the_part_files(tmp_path):
@@ -94,7 +94,7 @@ def test_a_large_data_set_is_not_loaded_into_memory(tmp_path):
     for p in range(4):
         seqs = [{"question_id": 2 * p + j, "turn": 0, "ids": [1] * seq_len, "prompt_len": 3} for j in range(2)]
         hid = [np.broadcast_to(rng.standard_normal(width).astype(np.float16), (seq_len, width)) for _ in seqs]
-        _write_part(os.path.join(d, f"part_{p:04d}.npz"), seqs, hid, [np.zeros((seq_len, 4), np.float32)] * 2,
+        write_part(os.path.join(d, f"part_{p:04d}.npz"), seqs, hid, [np.zeros((seq_len, 4), np.float32)] * 2,
                     [np.zeros((seq_len, 4), np.int32)] * 2, [np.zeros(seq_len, np.int32)] * 2, half=True)
     total = 4 * 2 * seq_len * width * 2
     assert total > 850e6

@@ -204,7 +204,7 @@ def decode(dec, prompts, **kw):
     prog, st, _, _ = dec.start(prompts, **kw)
     st, _, _ = dec.run(prog, st, np.iinfo(np.int32).max)
     eos = dec.target.config.eos_token_ids if kw.get("eos_ids") is None else kw["eos_ids"]
-    res = D._result(st, 0.0, 0.0, 0.0, model_eos=eos)
+    res = D.host_result(st, 0.0, 0.0, 0.0, model_eos=eos)
     for j, s in enumerate(res.stats):
         dev = _device_stats(st, j)
         assert {k: s[k] for k in dev} == dev, f"row {j}: row_stats {s} != device counters {dev}"
@@ -769,5 +769,5 @@ def test_no_slow_path_in_compiled_tree_decode(fmt):
     prog, args = d.prepare([[3, 4, 5]], max_new_tokens=8)
     sprog = D.prefill_program(prog)
     st = D.size_for_gamma(D.prefill_jit(sprog, *args), prog)
-    compiled = D._run_jit.lower(prog, args[0], args[1], st, jnp.int32(4)).compile()
+    compiled = D.run_rounds_jit.lower(prog, args[0], args[1], st, jnp.int32(4)).compile()
     _no_slow_path(compiled.as_text(), fmt, weight_shapes)

@@ -24,7 +24,7 @@ from specjax.drafters.model import fit_vocab
 from specjax.eval.common import _draft_call, _draft_init, _features_of, _sampling, _sampling_kw, _target_call
 from specjax.eval.speedup import _progress
 from specjax.models import llama
-from specjax.runtime.decoder import BUFFER_BUCKET, Decoder, Program, _bucket, prompt_bucket, seed_key
+from specjax.runtime.decoder import BUFFER_BUCKET, Decoder, Program, round_up, prompt_bucket, seed_key
 from specjax.runtime.settings import DecodeSettings
 
 ALPHA_METHOD = (
@@ -138,12 +138,12 @@ def measure_alpha(
     seqs = [list(p["ids"]) + list(c) for p, c in zip(prompts, continuations)]
     starts = [len(p["ids"]) - 1 for p in prompts]
     counts = [len(c) for c in continuations]
-    width = _bucket(max(max(counts), 1), 32)
+    width = round_up(max(max(counts), 1), 32)
     slots = int(slots)
     if slots > 1 and (drafter.causal_model is not None or drafter.chain_passes(slots) != 1):
         raise ValueError("slots > 1 scores the block slots of a one-pass (block) drafter; this drafter drafts "
                          "token by token")
-    length = _bucket(max(len(s) for s in seqs) + slots, BUFFER_BUCKET)  # room for a block's writes past the end
+    length = round_up(max(len(s) for s in seqs) + slots, BUFFER_BUCKET)  # room for a block's writes past the end
     sp_kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, **sampling)
     tok = np.zeros((len(seqs), length), np.int32)
     for i, s in enumerate(seqs):

@@ -18,7 +18,7 @@ from specjax.eval.costs import _median_ms, _target_case, measure_costs, timed_pr
 from specjax.eval.hostcache import cached_or_measured
 from specjax.eval.speedup import best_row, theory_rows
 from specjax.models import llama
-from specjax.runtime.decoder import Decoder, _validate
+from specjax.runtime.decoder import Decoder, validate_batch
 from specjax.runtime.settings import DecodeSettings
 
 AUTO_PROMPTS = 2  # --gamma auto: α over at most this many prompts × AUTO_NEW_TOKENS (specjax.eval.alpha)
@@ -90,7 +90,7 @@ def recommend(target, drafter, prompts, settings: DecodeSettings | None = None, 
     plen = max(len(r["ids"]) for r in recs)  # the buffers hold the longest prompt + its continuation
     mnt = int(settings.max_new_tokens)
     ctx = Decoder(target, drafter, 1).context_limit()
-    _validate([r["ids"] for r in recs], mnt, 1, drafter, ctx)  # the Decoder's own messages
+    validate_batch([r["ids"] for r in recs], mnt, 1, drafter, ctx)  # the Decoder's own messages
     progs = timed_programs(target, drafter, [0, *timed], plen, mnt)
     pair = {"target": model_fingerprint(target), "drafter": drafter_fingerprint(drafter)}
     sp_kw = _sampling_kw(settings)

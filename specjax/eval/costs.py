@@ -224,11 +224,11 @@ def _draft_case(cfg, drafter, buf: int, b: int, g: int, pos0: int, sp):
 
 @functools.partial(jax.jit, static_argnames=("drafter", "shape", "vocab"), donate_argnames=("state",))
 def _tree_draft_call(drafter, params, state, ctx, keys, shape, vocab):
-    """One whole tree proposal as the loop makes it (:func:`specjax.runtime.loop._propose_tree`):
+    """One whole tree proposal as the loop makes it (:func:`specjax.runtime.loop.propose_tree`):
     ``(tokens [B, N], valid [B, N], state)``."""
-    from specjax.runtime.loop import _propose_tree
+    from specjax.runtime.loop import propose_tree
 
-    prop = _propose_tree(drafter, params, state, ctx, keys, shape, vocab)
+    prop = propose_tree(drafter, params, state, ctx, keys, shape, vocab)
     return prop.tree.tokens, prop.tree.valid, prop.state
 
 

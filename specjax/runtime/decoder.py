@@ -20,19 +20,19 @@ import numpy as np
 from specjax.core.drafting import MAX_GAMMA, TreeShape, require_drafter, row_context
 from specjax.core.sampling import SamplingParams
 from specjax.models.llama import kv_cache_dtype
-from specjax.runtime.loop import (  # noqa: F401  (_run/… re-exported for tests)
-    DecodeState, Logprobs, Program, Stats, _run, _run_jit, tree_scratch,
+from specjax.runtime.loop import (  # noqa: F401  (run_rounds/… re-exported for tests)
+    DecodeState, Logprobs, Program, Stats, run_rounds, run_rounds_jit, tree_scratch,
 )
 from specjax.runtime.prefill import prefill, prefill_jit, prefill_program, size_for_gamma  # noqa: F401  (prefill: for sharding tests)
 from specjax.runtime.progress import phase
-from specjax.runtime.results import GenerationResult, RowStats, _result, row_stats  # noqa: F401  (re-exported)
+from specjax.runtime.results import GenerationResult, RowStats, host_result, row_stats  # noqa: F401  (re-exported)
 
 PROMPT_BUCKET = 32  # smallest prompt bucket; prompts pad to the next power of two ≥ this
 BUFFER_BUCKET = 64
 STOP_IDS_BUCKET = 8  # stop-id slots per row (EOS + stop token ids) pad to a multiple of this
 
 
-def _bucket(n: int, size: int) -> int:
+def round_up(n: int, size: int) -> int:
     return max(size, -(-n // size) * size)
 
 
@@ -41,7 +41,7 @@ def decode_buffer_len(prompt_len: int, max_new_tokens: int, gamma: int, min_prom
     prompt bucket (:func:`prompt_bucket` with ``min_prompt_bucket``) + ``max_new_tokens`` + γ
     + 1 spare slots, rounded up to ``BUFFER_BUCKET``. With a draft tree pass
     :func:`specjax.runtime.loop.tree_scratch` of its shape (≥ N) as ``gamma``."""
-    return _bucket(prompt_bucket(int(prompt_len), min_prompt_bucket) + int(max_new_tokens) + int(gamma) + 1,
+    return round_up(prompt_bucket(int(prompt_len), min_prompt_bucket) + int(max_new_tokens) + int(gamma) + 1,
                    BUFFER_BUCKET)
 
 
@@ -143,7 +143,7 @@ def shared_prompts(prompts) -> tuple[list[list[int]], np.ndarray, np.ndarray] | 
     return [list(p) for p in distinct], source, first
 
 
-def _validate(prompts, max_new_tokens, gamma, drafter, ctx_limit):
+def validate_batch(prompts, max_new_tokens, gamma, drafter, ctx_limit):
     if not prompts:
         raise ValueError("no prompts given; pass at least one prompt")
     for i, p in enumerate(prompts):
@@ -236,7 +236,7 @@ class Decoder:
         if hit is not None:
             return hit, 0.0
         t0 = time.perf_counter()
-        fn = prefill_jit if which == "start" else _run_jit
+        fn = prefill_jit if which == "start" else run_rounds_jit
         if self.mesh is not None:
             from specjax.runtime import sharding
 
@@ -292,7 +292,7 @@ class Decoder:
         alternatives recorded per emitted token (:class:`Logprobs`)."""
         cfg = self.target.config
         ctx_limit = self.context_limit()
-        _validate(prompts, max_new_tokens, self.gamma or 1, self.drafter, ctx_limit)
+        validate_batch(prompts, max_new_tokens, self.gamma or 1, self.drafter, ctx_limit)
         if logprobs is not None and (isinstance(logprobs, bool) or int(logprobs) != logprobs
                                      or not 0 <= logprobs <= cfg.vocab_size):
             raise ValueError(f"logprobs must be None or an integer in [0, {cfg.vocab_size}], got {logprobs!r}")
@@ -315,10 +315,12 @@ class Decoder:
                                   cfg.vocab_size)
         prog = self._program(int(plens.max()), int(mn.max()), logprobs)
         dparams = None if self.drafter is None else self.drafter.params
-        args = (self.target.params, dparams, jnp.asarray(prompt), jnp.asarray(plens), jnp.asarray(mn),
-                jnp.asarray(eos_arr), jnp.asarray(keys), sampling)
+        # device_put, not jnp.asarray: the latter compiles a copy program for every new host array shape
+        # (JAX's `stage`), i.e. at each new batch or bucket
+        put = jax.device_put
+        args = (self.target.params, dparams, put(prompt), put(plens), put(mn), put(eos_arr), put(keys), sampling)
         if shared is not None:
-            args += ((jnp.asarray(shared[1]), jnp.asarray(shared[2])),)
+            args += ((put(shared[1]), put(shared[2])),)
         if self.mesh is not None:  # rows on `data` (padded to a multiple of it)
             from specjax.runtime import sharding
 
@@ -453,7 +455,7 @@ class Decoder:
                 return
 
     def _finish(self, st, n_rows, compile_s, prefill_s, decode_s, cuts, eos) -> GenerationResult:
-        res = _result(self._host(st), compile_s, prefill_s, decode_s, cuts=cuts, model_eos=eos)
+        res = host_result(self._host(st), compile_s, prefill_s, decode_s, cuts=cuts, model_eos=eos)
         lp = None if res.logprobs is None else res.logprobs[:n_rows]
         return dataclasses.replace(res, tokens=res.tokens[:n_rows], stats=res.stats[:n_rows], logprobs=lp)
 
@@ -494,7 +496,7 @@ def _stop_ids_array(eos: list, stop_token_ids, batch: int, vocab: int) -> np.nda
         for t in r:
             if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= int(t) < vocab:
                 raise ValueError(f"stop token id {t!r} is not an id of the model's vocabulary [0, {vocab})")
-    out = np.full((batch, _bucket(max(len(r) for r in rows), STOP_IDS_BUCKET)), -1, np.int32)
+    out = np.full((batch, round_up(max(len(r) for r in rows), STOP_IDS_BUCKET)), -1, np.int32)
     for i, r in enumerate(rows):
         out[i, : len(r)] = r
     return out

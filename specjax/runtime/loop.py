@@ -1,7 +1,7 @@
 """The decode loop: autoregressive and speculative decoding as jitted pure functions.
 
 One compiled program per (model configs, drafter, γ, batch, buffer bucket): the
-prefill (:func:`specjax.runtime.prefill.prefill`) and the decode loop (:func:`_run`, a ``lax.while_loop``
+prefill (:func:`specjax.runtime.prefill.prefill`) and the decode loop (:func:`run_rounds`, a ``lax.while_loop``
 over rounds until every row is done or a round limit is reached, so callers can
 stream in chunks of rounds without a host sync per token).
 
@@ -413,7 +413,7 @@ def _count(prog: Program, st: DecodeState, n, allowed, count, new, rejected=None
     return stats, emit_info, emit_round
 
 
-def _propose_tree(drafter, dparams, dstate, ctx: DraftContext, keys, shape: TreeShape, vocab: int) -> TreeProposal:
+def propose_tree(drafter, dparams, dstate, ctx: DraftContext, keys, shape: TreeShape, vocab: int) -> TreeProposal:
     """The drafter's tree: :meth:`~specjax.core.drafting.Drafter.propose_tree`, or for a drafter
     that proposes chains only (``proposes_trees`` false: a draft model) its chain of γ = D drafts as
     a tree of K = 1, verified with ``"iid"`` (one child drawn from q per node: Leviathan et al.'s
@@ -430,7 +430,7 @@ def _propose_tree(drafter, dparams, dstate, ctx: DraftContext, keys, shape: Tree
 def _tree_round(prog: Program, tparams, dparams, st: DecodeState) -> DecodeState:
     """One round with a draft tree for every row (issue 18; the chain's :func:`_round` with a tree).
 
-    1. The drafter proposes a tree of ``prog.tree`` = (N, D, K) per row (:func:`_propose_tree`);
+    1. The drafter proposes a tree of ``prog.tree`` = (N, D, K) per row (:func:`propose_tree`);
        nodes deeper than ``max_new - new - 1`` are made invalid (:func:`specjax.core.tree.limit_depth`:
        at most that many drafts may be accepted; the walk then draws from p, not a residual).
     2. ONE target call over ``[last committed, node_0 .. node_{N-1}]`` at positions
@@ -463,7 +463,7 @@ def _tree_round(prog: Program, tparams, dparams, st: DecodeState) -> DecodeState
     no = jnp.zeros((b,), bool)
 
     ctx = DraftContext(st.tokens, st.lengths, st.sampling, st.target_hidden, st.last_accepted)
-    prop = _propose_tree(prog.drafter, dparams, st.drafter_state, ctx, rkeys[:, :nodes], shape, vocab)
+    prop = propose_tree(prog.drafter, dparams, st.drafter_state, ctx, rkeys[:, :nodes], shape, vocab)
     allowed = jnp.where(active, jnp.clip(remaining - 1, 0, depth), 0).astype(jnp.int32)
     tree = tree_ops.limit_depth(prop.tree, allowed)
     live = tree.valid & (tree.depth >= 1) & (tree.depth <= depth)  # the nodes the walk may accept
@@ -518,7 +518,7 @@ def _tree_round(prog: Program, tparams, dparams, st: DecodeState) -> DecodeState
     return _finish_round(prog, st, cache, n, chunk, offered, rejected, dstate, hidden, lps)
 
 
-def _run(prog: Program, tparams, dparams, st: DecodeState, round_limit) -> DecodeState:
+def run_rounds(prog: Program, tparams, dparams, st: DecodeState, round_limit) -> DecodeState:
     """``lax.while_loop`` of rounds until every row is done or ``round`` reaches ``round_limit``
     (chain rounds :func:`_round`, or :func:`_tree_round` for a program with a tree)."""
     round_fn = _round if prog.tree is None else _tree_round
@@ -529,7 +529,7 @@ def _run(prog: Program, tparams, dparams, st: DecodeState, round_limit) -> Decod
     )
 
 
-_run_jit = jax.jit(_run, static_argnums=0, donate_argnums=3)
+run_rounds_jit = jax.jit(run_rounds, static_argnums=0, donate_argnums=3)
 
 
 # --------------------------------------------------------------------------- host API

@@ -1,7 +1,7 @@
 """A finished decode on the host (part of :mod:`specjax.runtime.decoder`, which re-exports it):
 :class:`GenerationResult`, and the one definition of the reported per-row statistics
 (:func:`row_stats`), finish reasons and log-probabilities from a final
-:class:`~specjax.runtime.loop.DecodeState` (:func:`_result`)."""
+:class:`~specjax.runtime.loop.DecodeState` (:func:`host_result`)."""
 
 from __future__ import annotations
 
@@ -116,7 +116,7 @@ _STAT_KEYS = ("new_tokens", "target_calls", "draft_calls", "drafted_tokens", "ac
               "mean_accepted_tokens", "acceptance_rate", "accept_hist", "finish_reason")
 
 
-def _result(st: DecodeState, compile_s, prefill_s, decode_s, cuts=None, model_eos=None) -> GenerationResult:
+def host_result(st: DecodeState, compile_s, prefill_s, decode_s, cuts=None, model_eos=None) -> GenerationResult:
     """Host results of a finished (or round-limited) state. ``cuts``: ``{row: k}`` rows ended by
     a stop string after k new tokens. ``model_eos``: the EOS ids the row was decoded with (other
     ids that ended a row are stop token ids: ``finish_reason`` ``"stop"``; ``None``: every id

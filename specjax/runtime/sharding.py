@@ -457,7 +457,7 @@ def state_shardings(prog, state, mesh: Mesh):
 
 
 def decode_jit(which: str, prog, args, mesh: Mesh):
-    """``jit`` of :func:`specjax.runtime.prefill.prefill` / :func:`specjax.runtime.loop._run` with
+    """``jit`` of :func:`specjax.runtime.prefill.prefill` / :func:`specjax.runtime.loop.run_rounds` with
     output shardings on ``mesh`` (inputs are already placed; GSPMD partitions the rest)."""
     from specjax.runtime import loop as decode
     from specjax.runtime.prefill import prefill
@@ -465,7 +465,7 @@ def decode_jit(which: str, prog, args, mesh: Mesh):
     if which == "start":
         shape = jax.eval_shape(lambda *a: prefill(prog, *a), *args)
         return jax.jit(prefill, static_argnums=0, out_shardings=state_shardings(prog, shape, mesh))
-    return jax.jit(decode._run, static_argnums=0, donate_argnums=3,
+    return jax.jit(decode.run_rounds, static_argnums=0, donate_argnums=3,
                    out_shardings=state_shardings(prog, args[2], mesh))
 
 

@@ -17,7 +17,7 @@ from specjax.train.common import DistillError
 from specjax.train.records import encode_record, read_records
 
 
-def _topk_stats(logits, topk: int):
+def topk_stats(logits, topk: int):
     """``(top-k probabilities [..., topk] float32, their ids [..., topk] int32, argmax [...] int32)``
     of ``logits [..., vocab]`` at temperature 1."""
     import jax
@@ -46,7 +46,7 @@ def _gen_fn(target, prompt_len: int, max_new: int, topk: int, feature_layers: tu
 
     cfg, gd = target.config, target.graphdef
 
-    stats = functools.partial(_topk_stats, topk=topk)
+    stats = functools.partial(topk_stats, topk=topk)
 
     def choose(logits, greedy, temps, keys, i):  # logits [b, vocab]
         ks = jax.vmap(jax.random.fold_in, (0, None))(keys, i)
@@ -93,7 +93,7 @@ def _onpolicy_fn(target, dcfg, prompt_len: int, max_new: int, topk: int):
 
     cfg, gd = target.config, target.graphdef
 
-    stats = functools.partial(_topk_stats, topk=topk)
+    stats = functools.partial(topk_stats, topk=topk)
 
     @jax.jit
     def f(params, dparams, prompt, lengths):
@@ -174,7 +174,7 @@ def generate_data(target, records, *, max_new_tokens, batch, chat, max_prompt_to
             f = _generation_fn(target, drafter, p, max_new_tokens, topk, feature_layers)
         chunk = items[lo: lo + batch]
         outs = _generate_batch(f, target, chunk, batch, p, temperature, seed)
-        _write_part(part, *_part_arrays(outs, chunk, eos, seed, source), half=bool(feature_layers))
+        write_part(part, *_part_arrays(outs, chunk, eos, seed, source), half=bool(feature_layers))
         log(f"generated {min(lo + batch, len(items))}/{len(items)} sequences ({time.time() - t0:.0f}s)")
 
 
@@ -241,7 +241,7 @@ def _part_arrays(outs, chunk, eos, seed, source):
     return seqs, hid, tps, tis, ams
 
 
-def _write_part(part, seqs, hid, tps, tis, ams, half: bool = False):
+def write_part(part, seqs, hid, tps, tis, ams, half: bool = False):
     """Write one part file atomically (a temporary file renamed); ``half``: hidden as float16. Stored
     uncompressed in C order, so :func:`collect_parts` memory-maps ``hidden`` (rows contiguous)."""
     tmp = part + ".tmp.npz"
@@ -377,7 +377,7 @@ def join_rows(parts) -> "RowSegments":
 
 def _npz_member(path: str, name: str):
     """The array ``name`` of the npz file ``path`` memory-mapped (read-only) when it is stored
-    uncompressed (as :func:`_write_part` writes it: ``np.savez``); loaded otherwise."""
+    uncompressed (as :func:`write_part` writes it: ``np.savez``); loaded otherwise."""
     import struct
     import zipfile
 

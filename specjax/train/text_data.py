@@ -11,7 +11,7 @@ import time
 import numpy as np
 
 from specjax.train.common import DistillError
-from specjax.train.data import _topk_stats, _write_part
+from specjax.train.data import topk_stats, write_part
 
 
 PROSE_SUFFIXES = (".md", ".rst", ".txt")  # and files named METADATA, README, LICENSE, COPYING
@@ -127,7 +127,7 @@ def _prefill_fn(target, window: int, topk: int, feature_layers: tuple[int, ...])
         cache = llama.KVCache.create(cfg, b, window, jnp.float32)
         pos = jnp.broadcast_to(jnp.arange(window, dtype=jnp.int32), (b, window))
         out = llama.apply(gd, params, ids, pos, cache, cfg, return_hidden=True, feature_layers=feature_layers)
-        return (out.hidden,) + _topk_stats(out.logits, topk)
+        return (out.hidden,) + topk_stats(out.logits, topk)
 
     return f
 
@@ -162,6 +162,6 @@ def teacher_forced_data(target, windows: list[dict], *, window: int, batch: int,
                          "prompt_len": 1, "turn": 0, "sample": 0, "seed": 0, "source": "text"})
             for acc, a in zip(parts, (hid, tp, ti, am)):
                 acc.append(a[j, :n])
-        _write_part(part, seqs, *parts, half=bool(feature_layers))
+        write_part(part, seqs, *parts, half=bool(feature_layers))
         el = time.time() - t0
         log(f"teacher forcing: {done}/{total} tokens ({el:.0f}s, {done / max(el, 1e-9):.0f} tokens/s)")
