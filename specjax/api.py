@@ -232,14 +232,8 @@ def generate_text(
     *,
     drafter=None,
     gamma: int = 4,
-    tree_nodes: int | None = None,
-    tree_depth: int | None = None,
-    tree_topk: int | None = None,
-    max_new_tokens: int = 128,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    seed: int = 0,
+    tree_nodes: int | None = None, tree_depth: int | None = None, tree_topk: int | None = None,
+    max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
     chat: bool = False,
     batch_size: int | None = None,
     ignore_eos: bool = False,
@@ -247,9 +241,7 @@ def generate_text(
     stop: Sequence[str] | None = None,
     stop_token_ids: Sequence[int] | None = None,
     logprobs: int | None = None,
-    on_text=None,
-    on_done=None,
-    progress=None,
+    on_text=None, on_done=None, progress=None,
     parse_special: bool = True,
     settings: DecodeSettings | None = None,
     sampling: Sampling | None = None,
@@ -301,13 +293,7 @@ def generate_text(
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
               batch_size=batch_size, ignore_eos=ignore_eos, **sampling_fields)
     settings = _settings(settings, sampling, kw)
-    if isinstance(prompts, str):
-        raise ValueError(f"prompts must be a list of strings, got one string; pass [{prompts[:20]!r}]")
-    if isinstance(stop, str):
-        raise ValueError(f"stop must be a list of strings, got one string; pass [{stop!r}]")
-    stop = [] if stop is None else list(stop)
-    if any(not isinstance(s, str) or not s for s in stop):
-        raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")
+    stop = _check_text_args(prompts, stop)
     ids = encode_prompts(target, prompts, chat, parse_special=parse_special)
     dec = decoder or Decoder(target, drafter, gamma, progress=progress, tree_nodes=tree_nodes, tree_depth=tree_depth,
                              tree_topk=tree_topk)
@@ -319,6 +305,21 @@ def generate_text(
         results += _generate_batch(dec, target.tokenizer, ids, rows, settings, stop, stop_ids, logprobs,
                                    on_text, on_done)
     return results
+
+
+def _check_text_args(prompts, stop) -> list[str]:
+    """The stop strings as a list, after refusing a lone string where a list is expected.
+
+    Raises:
+      ValueError: ``prompts`` or ``stop`` given as one string, or an empty / non-string stop string."""
+    if isinstance(prompts, str):
+        raise ValueError(f"prompts must be a list of strings, got one string; pass [{prompts[:20]!r}]")
+    if isinstance(stop, str):
+        raise ValueError(f"stop must be a list of strings, got one string; pass [{stop!r}]")
+    stop = [] if stop is None else list(stop)
+    if any(not isinstance(s, str) or not s for s in stop):
+        raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")
+    return stop
 
 
 def _generate_batch(dec, tok, ids, rows: range, settings: DecodeSettings, stop, stop_ids, logprobs, on_text,

@@ -81,22 +81,16 @@ def verify_row(
     γ and V are static (from the shapes); everything else may be traced.
     """
     draft_tokens = jnp.asarray(draft_tokens, jnp.int32)
-    q = jnp.asarray(draft_probs, jnp.float32)
-    p = jnp.asarray(target_probs, jnp.float32)
-    r = jnp.asarray(uniforms, jnp.float32)
+    q, p, r = (jnp.asarray(a, jnp.float32) for a in (draft_probs, target_probs, uniforms))
     gamma, vocab = q.shape
     if draft_tokens.shape != (gamma,) or p.shape != (gamma + 1, vocab) or r.shape != (gamma,):
-        raise ValueError(
-            "verify_row expects draft_tokens [γ], draft_probs [γ, V], "
-            "target_probs [γ+1, V], uniforms [γ]; got "
-            f"{draft_tokens.shape}, {q.shape}, {p.shape}, {r.shape}"
-        )
+        raise ValueError("verify_row expects draft_tokens [γ], draft_probs [γ, V], target_probs [γ+1, V], "
+                         f"uniforms [γ]; got {draft_tokens.shape}, {q.shape}, {p.shape}, {r.shape}")
 
     # Step 1: accept x_i iff r_i * q_i(x_i) < p_i(x_i).
     in_vocab = (draft_tokens >= 0) & (draft_tokens < vocab)
     idx = jnp.clip(draft_tokens, 0, vocab - 1)[:, None]
-    q_x = jnp.take_along_axis(q, idx, axis=-1)[:, 0]
-    p_x = jnp.take_along_axis(p[:gamma], idx, axis=-1)[:, 0]
+    q_x, p_x = (jnp.take_along_axis(a, idx, axis=-1)[:, 0] for a in (q, p[:gamma]))
     accept = in_vocab & (r * q_x < p_x)
 
     # Step 2: n = accepted prefix length, capped at num_allowed.
@@ -106,8 +100,7 @@ def verify_row(
     rejected = n_free < allowed  # the first rejection is at position n + 1 <= allowed
 
     # Step 3: residual norm(max(0, p_{n+1} - q_{n+1})) on rejection, else p_{n+1}.
-    p_next = p[n]
-    q_next = q[jnp.minimum(n, gamma - 1)]
+    p_next, q_next = p[n], q[jnp.minimum(n, gamma - 1)]
     residual = jnp.maximum(p_next - q_next, 0.0)
     mass = jnp.sum(residual)
     residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p_next)

@@ -295,6 +295,22 @@ def _round_inputs(st: DecodeState, draws: int):
     return rkeys, last, st.max_new - st.stats.new_tokens
 
 
+def _chunk_of(drafts, n, nxt):
+    """The tokens a round emits, ``[B, W]`` (W = drafts + 1): drafts ``x_1..x_n`` of ``drafts [B, W-1]``,
+    then the residual/bonus token ``nxt [B]`` at index ``n [B]`` (what follows is never committed)."""
+    b, w = drafts.shape[0], drafts.shape[1] + 1
+    chunk = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
+    return jnp.where(jnp.arange(w)[None, :] == n[:, None], nxt[:, None], chunk)
+
+
+def _round_logprobs(prog: Program, sampling: SamplingParams, p, logits, chunk):
+    """The round's emitted log-probabilities (:func:`_emitted_logprobs` over the first ``p.shape[1]``
+    tokens of ``chunk``, padded to the block), or ``None`` when the program records none."""
+    if prog.logprobs < 0:
+        return None
+    return _emitted_logprobs(prog, sampling, p, logits, chunk[:, :p.shape[1]], prog.block)
+
+
 def _round(prog: Program, tparams, dparams, st: DecodeState) -> DecodeState:
     """One round for every row: a speculative round (drafter → one target call →
     acceptance → commit), or a plain one-token step when nothing can be accepted.
@@ -309,15 +325,8 @@ def _round(prog: Program, tparams, dparams, st: DecodeState) -> DecodeState:
     vocab = prog.cfg.vocab_size
     zeros = jnp.zeros((b,), jnp.int32)
 
-    def chunk_of(drafts, n, nxt):  # [B, W]: drafts x_1..x_n, then the residual/bonus token at n
-        chunk = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
-        return jnp.where(jnp.arange(width)[None, :] == n[:, None], nxt[:, None], chunk)
-
     def logprobs_of(p, logits, chunk):
-        if prog.logprobs < 0:
-            return None
-        t = p.shape[1]
-        return _emitted_logprobs(prog, st.sampling, p, logits, chunk[:, :t], width)
+        return _round_logprobs(prog, st.sampling, p, logits, chunk)
 
     def plain(st, dstate):
         p, logits, cache, hidden = _target_step(prog, tparams, st, last, prog.drafter is not None)
@@ -325,7 +334,7 @@ def _round(prog: Program, tparams, dparams, st: DecodeState) -> DecodeState:
         hid = None
         if prog.drafter is not None:  # the one hidden state sits at index 0 (= n) of the block
             hid = jnp.zeros_like(st.target_hidden).at[:, :1].set(hidden)
-        chunk = chunk_of(jnp.zeros((b, width - 1), jnp.int32), zeros, nxt)
+        chunk = _chunk_of(jnp.zeros((b, width - 1), jnp.int32), zeros, nxt)
         return cache, zeros, chunk, zeros, dstate, hid, logprobs_of(p, logits, chunk)
 
     if prog.drafter is None:
@@ -341,7 +350,7 @@ def _round(prog: Program, tparams, dparams, st: DecodeState) -> DecodeState:
             inputs = jnp.concatenate([last, prop.tokens], axis=1)
             p, logits, cache, hidden = _target_step(prog, tparams, st, inputs, True)
             n, nxt, _ = verify(prop.tokens, prop.probs, p, u, res_keys, allowed)
-            chunk = chunk_of(prop.tokens, n, nxt)
+            chunk = _chunk_of(prop.tokens, n, nxt)
             return cache, n, chunk, allowed, dstate, hidden, logprobs_of(p, logits, chunk)
 
         def no_match(st, dstate):
@@ -427,6 +436,14 @@ def propose_tree(drafter, dparams, dstate, ctx: DraftContext, keys, shape: TreeS
     return TreeProposal(tree_ops.chain_tree(prop), "iid", prop.state)
 
 
+def _walk_ended_on_rejection(tree, path, n):
+    """``[B]`` bool: the tree walk ended on a rejection — the last accepted node (the root when
+    ``n = 0``) of ``path [B, D]`` has a valid child, so a draft was checked and rejected there."""
+    at = jnp.where(n > 0, jnp.take_along_axis(path, jnp.maximum(n - 1, 0)[:, None], axis=1)[:, 0], -1)
+    kids = tree_ops.children_table(tree)  # [B, N+1, K]
+    return jnp.take_along_axis(kids[:, :, 0], (at + 1)[:, None], axis=1)[:, 0] >= 0
+
+
 def _tree_round(prog: Program, tparams, dparams, st: DecodeState) -> DecodeState:
     """One round with a draft tree for every row (issue 18; the chain's :func:`_round` with a tree).
 
@@ -459,8 +476,7 @@ def _tree_round(prog: Program, tparams, dparams, st: DecodeState) -> DecodeState
     rkeys, last, remaining = _round_inputs(st, nodes)  # rkeys [B, N+2, 2]
     res_keys = rkeys[:, nodes + 1]
     vocab = prog.cfg.vocab_size
-    zeros = jnp.zeros((b,), jnp.int32)
-    no = jnp.zeros((b,), bool)
+    zeros, no = jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool)
 
     ctx = DraftContext(st.tokens, st.lengths, st.sampling, st.target_hidden, st.last_accepted)
     prop = propose_tree(prog.drafter, dparams, st.drafter_state, ctx, rkeys[:, :nodes], shape, vocab)
@@ -470,14 +486,8 @@ def _tree_round(prog: Program, tparams, dparams, st: DecodeState) -> DecodeState
     offered = jnp.sum(live, axis=1, dtype=jnp.int32)
     u = jax.vmap(lambda k: jax.random.uniform(k, (nodes,), jnp.float32))(rkeys[:, nodes])
 
-    def chunk_of(drafts, n, nxt):  # [B, W]: drafts x_1..x_n, then the next token at n
-        chunk = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
-        return jnp.where(jnp.arange(width)[None, :] == n[:, None], nxt[:, None], chunk)
-
     def logprobs_of(p, logits, chunk):
-        if prog.logprobs < 0:
-            return None
-        return _emitted_logprobs(prog, st.sampling, p, logits, chunk[:, :p.shape[1]], width)
+        return _round_logprobs(prog, st.sampling, p, logits, chunk)
 
     def spec(st, dstate):
         inputs = jnp.concatenate([last, tree.tokens], axis=1)  # [B, N+1]
@@ -490,13 +500,11 @@ def _tree_round(prog: Program, tparams, dparams, st: DecodeState) -> DecodeState
         acc = tree_ops.verify_tree(tree, p, u, res_keys, prop.scheme)
         n, path = acc.n, acc.path
         drafts = jnp.maximum(tree_ops.path_tokens(tree, path), 0)  # [B, D]
-        chunk = chunk_of(drafts, n, acc.next_token)
+        chunk = _chunk_of(drafts, n, acc.next_token)
         rows = jnp.concatenate([zeros[:, None], jnp.where(path >= 0, path + 1, 0)], axis=1)  # [root, path] in the block
         hidden = jnp.take_along_axis(out.hidden, rows[..., None], axis=1)  # [B, D+1, D_h]
         cache = llama.compact_tree_cache(out.cache, st.lengths - 1, path, n)
-        at = jnp.where(n > 0, jnp.take_along_axis(path, jnp.maximum(n - 1, 0)[:, None], axis=1)[:, 0], -1)
-        kids = tree_ops.children_table(tree)  # [B, N+1, K]
-        rejected = jnp.take_along_axis(kids[:, :, 0], (at + 1)[:, None], axis=1)[:, 0] >= 0
+        rejected = _walk_ended_on_rejection(tree, path, n)
         lps = None
         if prog.logprobs >= 0:
             gather = lambda x: jnp.take_along_axis(x, rows[..., None], axis=1)  # noqa: E731
@@ -507,7 +515,7 @@ def _tree_round(prog: Program, tparams, dparams, st: DecodeState) -> DecodeState
         p, logits, cache, hid1 = _target_step(prog, tparams, st, last, True)
         nxt = jax.vmap(sample)(res_keys, p[:, 0])
         hidden = jnp.zeros_like(st.target_hidden).at[:, :1].set(hid1)
-        chunk = chunk_of(jnp.zeros((b, width - 1), jnp.int32), zeros, nxt)
+        chunk = _chunk_of(jnp.zeros((b, width - 1), jnp.int32), zeros, nxt)
         return cache, zeros, chunk, zeros, no, dstate, hidden, logprobs_of(p, logits, chunk)
 
     if prog.drafter.always_proposes:
