@@ -31,7 +31,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from specjax.eval.bench import _json_default, check_out_path, machine_info, run_bench, write_json  # noqa: E402
+from specjax.eval.bench import json_default, check_out_path, machine_info, run_bench, write_json  # noqa: E402
 from specjax.runtime.settings import DecodeSettings  # noqa: E402
 
 GOAL_FLOOR_RATIO = 1.25
@@ -185,7 +185,7 @@ def main(argv=None) -> int:
     if args.out:
         write_json(args.out, res, args.force)
         log(f"wrote {args.out}")
-    print(json.dumps(res, default=_json_default) if args.json else table)
+    print(json.dumps(res, default=json_default) if args.json else table)
     return 0
 
 

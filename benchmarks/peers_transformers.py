@@ -39,7 +39,7 @@ import sys
 import time
 import types
 
-from specjax.eval.bench import (MethodSpec, _json_default, baselines, check_out_path, machine_info, make_batches,
+from specjax.eval.bench import (MethodSpec, json_default, baselines, check_out_path, machine_info, make_batches,
                            select_prompts, split_categories, summarize, write_json)
 from specjax.eval.report import markdown_tables
 
@@ -371,7 +371,7 @@ def main(argv=None) -> int:
         write_json(args.out, results, args.force)
         print(f"peers_transformers: wrote {args.out}", file=sys.stderr)
     if args.json:
-        print(json.dumps(results, default=_json_default))
+        print(json.dumps(results, default=json_default))
     else:
         print(markdown_tables(results))
     return 0

@@ -320,7 +320,7 @@ def test_measure_times_the_decoders_programs(dtype, tmp_path):
 
 
 def test_progress_bars_on_stderr_only_on_a_terminal(monkeypatch, capsys):
-    """The analyze loops' tqdm bars (measure._progress): stderr only, and only on a terminal."""
+    """The analyze loops' tqdm bars (measure.progress_bar): stderr only, and only on a terminal."""
     import io
     import sys
 
@@ -330,7 +330,7 @@ def test_progress_bars_on_stderr_only_on_a_terminal(monkeypatch, capsys):
 
     for stream, enabled, shown in ((Terminal(), True, True), (io.StringIO(), True, False), (Terminal(), False, False)):
         monkeypatch.setattr(sys, "stderr", stream)
-        assert list(measure._progress(range(3), "alpha", enabled=enabled)) == [0, 1, 2]
+        assert list(measure.progress_bar(range(3), "alpha", enabled=enabled)) == [0, 1, 2]
         assert ("alpha" in stream.getvalue()) is shown and ("\r" in stream.getvalue()) is shown
     assert capsys.readouterr().out == ""
 

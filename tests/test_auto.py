@@ -299,7 +299,7 @@ def fake_fidelity(monkeypatch, faithful: dict):
 
 
 def fake_steps(monkeypatch, ms: dict):
-    """:func:`measure._median_ms` returning ``ms[format]`` for each step (nothing runs); counts calls
+    """:func:`costs.median_ms` returning ``ms[format]`` for each step (nothing runs); counts calls
     (patched in :mod:`specjax.eval.auto`, where :func:`measure.fastest_format` looks it up)."""
     calls = []
 
@@ -307,7 +307,7 @@ def fake_steps(monkeypatch, ms: dict):
         calls.append(sorted(cases))
         return {k: ms[k[1]] for k in cases}
 
-    monkeypatch.setattr(auto, "_median_ms", median)  # where fastest_format looks it up
+    monkeypatch.setattr(auto, "median_ms", median)  # where fastest_format looks it up
     return calls
 
 

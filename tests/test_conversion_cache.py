@@ -278,7 +278,7 @@ def test_abstract_model_is_the_models_own():
                 tiny_config(model_type="qwen2", attention_bias=True)):
         for fmt in FORMATS:
             g1, a1 = llama.abstract_model(cfg, fmt)
-            g2, a2 = loading._abstract_model(cfg, fmt)
+            g2, a2 = loading.abstract_model_of(cfg, fmt)
             assert g1 == g2
             assert jax.tree_util.tree_structure(a1) == jax.tree_util.tree_structure(a2)
             assert [(x.shape, x.dtype) for x in jax.tree_util.tree_leaves(a1)] == \

@@ -190,7 +190,7 @@ def test_a_new_kind_is_its_class_and_one_registry_entry(monkeypatch, target):
     """Registering a kind (its class and one DrafterKind, inserted before the catch-all ``model``)
     is all the API, the CLI's tree check and the Decoder need."""
     from specjax import api
-    from specjax.cli.common import UsageError, _check_tree
+    from specjax.cli.common import UsageError, check_tree
     from specjax.runtime.decoder import Decoder, decode_buffer_len
 
     def check(spec):
@@ -210,7 +210,7 @@ def test_a_new_kind_is_its_class_and_one_registry_entry(monkeypatch, target):
     class Args:
         gamma = None
     with pytest.raises(UsageError, match="--draft block:3 is a block drafter, which proposes chains only"):
-        _check_tree(Args(), {"tree": TreeShape(4, 2, 2), "draft": "block:3"}, False)
+        check_tree(Args(), {"tree": TreeShape(4, 2, 2), "draft": "block:3"}, False)
     dec = Decoder(target, BlockDrafter(3), 4)
     assert dec.program(10, 20).buffer_len == decode_buffer_len(10, 20, 12, dec.prompt_bucket)
     res = dec.generate([[5, 6, 7]], max_new_tokens=6)

@@ -81,8 +81,8 @@ def test_the_field_reaches_the_measurement_key_and_bench_json(new_field):
 
     a = DecodeSettings.create(foo_weight=0.0)
     b = DecodeSettings.create(foo_weight=1.0)
-    assert measure._sampling_kw(a)["foo_weight"] == 0.0
-    assert measure._sampling_kw(a) != measure._sampling_kw(b)  # a new value is a new cache key
+    assert measure.sampling_key(a)["foo_weight"] == 0.0
+    assert measure.sampling_key(a) != measure.sampling_key(b)  # a new value is a new cache key
     run = SimpleNamespace(prompt_records=[], model_name="m", weight_bytes=1, parse_special=True, chat=True)
     cfg = bench._bench_config([], b, run, {}, started="t", total_s=0.0, model=None, drafts=[], gammas=[],
                               trees=[], dtypes=["float32"], draft_dtype="float32", chat=True, warmup=0)

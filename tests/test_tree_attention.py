@@ -223,7 +223,7 @@ def test_compaction_of_a_chain_is_a_no_op():
 
 
 def _in_place_reduced_attention(q, k, v, positions, cfg, tree_mask):
-    """Negative control: :func:`attention._attention`'s reduced-format sums with the tree mask applied
+    """Negative control: :func:`attention.cache_attention`'s reduced-format sums with the tree mask applied
     in the scratch layout (ancestors where the tree call wrote them, zeros between), i.e. WITHOUT
     the per-query window of :func:`attention._tree_window`."""
     b, t, h, hd = q.shape
@@ -264,8 +264,8 @@ def test_tree_attention_kernel_is_the_causal_kernel(q_dtype, cache_dtype):
     k = rng.normal(size=(B, kv, MAXLEN, hd)).astype(cache_dtype)
     v = rng.normal(size=(B, kv, MAXLEN, hd)).astype(cache_dtype)
     reduced = q_dtype != "float32" or cache_dtype != "float32"
-    tree_att = np.asarray(jax.jit(lambda *a: attention._attention(*a, cfg, tree_mask=mask))(q, k, v, jnp.asarray(pos)))
-    causal = jax.jit(lambda *a: attention._attention(*a, cfg))
+    tree_att = np.asarray(jax.jit(lambda *a: attention.cache_attention(*a, cfg, tree_mask=mask))(q, k, v, jnp.asarray(pos)))
+    causal = jax.jit(lambda *a: attention.cache_attention(*a, cfg))
     in_place = None
     if reduced:
         in_place = np.asarray(jax.jit(lambda *a: _in_place_reduced_attention(*a, cfg, mask))(q, k, v, jnp.asarray(pos)))

@@ -13,7 +13,7 @@ import sys
 
 from specjax.cli import analyze, bench, distill, generate
 from specjax.cli.common import (  # noqa: F401  (the shared helpers, for scripts and tests)
-    UsageError, _Parser, _user_errors, add_model_args, collect_prompts, describe_error, enable_compilation_cache,
+    UsageError, Parser, user_errors, add_model_args, collect_prompts, describe_error, enable_compilation_cache,
     load_target_and_drafter, note, parse_gamma, resolve,
 )
 from specjax.cli.generate import unescape  # noqa: F401
@@ -21,9 +21,9 @@ from specjax.cli.generate import unescape  # noqa: F401
 COMMANDS = (generate, bench, analyze, distill)
 
 
-def build_parser() -> _Parser:
+def build_parser() -> Parser:
     """The ``specjax`` parser with every command's subparser."""
-    parser = _Parser(prog="specjax", description="Exact speculative decoding in JAX.")
+    parser = Parser(prog="specjax", description="Exact speculative decoding in JAX.")
     from importlib import metadata
 
     try:
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     except BrokenPipeError:  # the reader of stdout went away (`specjax generate … | head`): stop quietly
         _silence_stdout()
         return 141  # 128 + SIGPIPE, as a Unix tool killed by it
-    except _user_errors() as e:
+    except user_errors() as e:
         if os.environ.get("SPECJAX_DEBUG"):
             raise
         msg = " ".join(describe_error(e).split())  # one line, whatever the raiser wrote

@@ -9,7 +9,7 @@ import sys
 
 from specjax.cli.common import DTYPES, UsageError, add_model_args, parse_gamma, resolve, resolve_auto_dtype
 from specjax.eval.bench import (
-    _json_default, check_out_path, check_writable, filter_split, run_bench, select_prompts, split_categories,
+    json_default, check_out_path, check_writable, filter_split, run_bench, select_prompts, split_categories,
     write_json,
 )
 from specjax.eval.report import markdown_tables
@@ -114,7 +114,7 @@ def cmd_bench(args) -> int:
         write_json(args.out, results, args.force)
         print(f"specjax bench: wrote {args.out}", file=sys.stderr)
     if args.json:
-        print(json.dumps(results, default=_json_default))
+        print(json.dumps(results, default=json_default))
     else:
         print(markdown_tables(results))
     mm = results["config"].get("greedy_mismatches_vs_ar")

@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 import os
 
-from specjax.cli.errors import UsageError, _Parser, _user_errors, describe_error, note  # noqa: F401  (re-exported)
+from specjax.cli.errors import UsageError, Parser, user_errors, describe_error, note  # noqa: F401  (re-exported)
 from specjax.cli.flags import (  # noqa: F401  (re-exported)
-    DTYPES, SHIPPED_PAIR, TREE_FLAGS, _cap_gamma, _check_settings, _check_tree, _tree_setting, add_knob_args,
+    DTYPES, SHIPPED_PAIR, TREE_FLAGS, cap_gamma, check_settings, check_tree, tree_setting, add_knob_args,
     add_model_args, chat_default, parse_gamma, resolve, sampling_class, sampling_of, shipped_pair_method,
 )
 

@@ -15,7 +15,7 @@ class UsageError(ValueError):
     """A bad command-line value (reported as one line, exit status 2)."""
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
     """argparse errors as one line ``specjax: error: …`` (exit status 2) naming the command and
     pointing at ``--help``, instead of a usage block (subparsers inherit this class)."""
 
@@ -56,7 +56,7 @@ def describe_error(e: BaseException) -> str:
     return str(e)
 
 
-def _user_errors() -> tuple:
+def user_errors() -> tuple:
     """Exception types ``main()`` reports as one line: usage, checkpoint and file-format errors
     (all ValueError subclasses: JSON, TOML, UnicodeDecodeError), OS errors, SafetensorError."""
     types = [UsageError, ValueError, CheckpointError, OSError]

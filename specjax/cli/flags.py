@@ -117,7 +117,7 @@ def shipped_pair_method() -> dict:
     return {"gamma": cfg["gamma"]}
 
 
-def _tree_setting(args, cfg: dict):
+def tree_setting(args, cfg: dict):
     """The draft tree of the flags (all three ``--tree-*`` together), else of the pair config
     (unless ``--gamma`` is given: a flag wins over the config's tree), else ``None``.
 
@@ -183,7 +183,7 @@ def resolve(args, default_draft=None, need_draft: str | None = None, tree_with_g
         s["draft"] = default_draft
     if need_draft and s["draft"] in (None, "none", [], ["none"]):
         raise UsageError(need_draft)
-    s["tree"] = _tree_setting(args, cfg)
+    s["tree"] = tree_setting(args, cfg)
     if s["gamma"] is None and s["tree"] is None and s["draft"] in ("default", ["default"]):
         s.update(shipped_pair_method())  # the shipped pair's γ or tree, with or without --config
     if s["tree"] is not None and not draft_given:  # not bench's default n-gram, silently
@@ -191,9 +191,9 @@ def resolve(args, default_draft=None, need_draft: str | None = None, tree_with_g
             if args.config and any(k in cfg for k in ("tree_nodes", "tree_depth", "tree_topk")) else \
             "--tree-nodes/--tree-depth/--tree-topk need a drafter; add --draft default (or ngram, or an EAGLE drafter path)"
         raise UsageError(where)
-    _check_tree(args, s, tree_with_gamma)
+    check_tree(args, s, tree_with_gamma)
     try:
-        _check_settings(args, s)
+        check_settings(args, s)
     except UsageError as e:  # a value read from the config file: name the file and key, not a flag
         m = re.match(r"--([a-z0-9-]+) (.*)", str(e), re.S)
         key = m.group(1).replace("-", "_") if m else None
@@ -203,7 +203,7 @@ def resolve(args, default_draft=None, need_draft: str | None = None, tree_with_g
     return s
 
 
-def _check_tree(args, s: dict, tree_with_gamma: bool) -> None:
+def check_tree(args, s: dict, tree_with_gamma: bool) -> None:
     """A tree needs a drafter that proposes trees (top-k > 1: its kind's drafter declares
     ``proposes_trees``; not a draft model) and, unless ``tree_with_gamma``, no ``--gamma``.
     Raises UsageError."""
@@ -227,7 +227,7 @@ def _check_tree(args, s: dict, tree_with_gamma: bool) -> None:
                                  "directory (or use --tree-topk 1)")
 
 
-def _check_settings(args, s: dict) -> None:
+def check_settings(args, s: dict) -> None:
     from specjax.api import check_draft_spec
 
     if s["max_new_tokens"] < 1:
@@ -243,7 +243,7 @@ def _check_settings(args, s: dict) -> None:
     drafts = s["draft"] if isinstance(s["draft"], (list, tuple)) else [s["draft"]]
     for d in drafts:
         check_draft_spec(d)
-    capped = None if all(d in (None, "none") for d in drafts) else _cap_gamma(s)
+    capped = None if all(d in (None, "none") for d in drafts) else cap_gamma(s)
     gammas = s["gamma"] if isinstance(s["gamma"], (list, tuple)) else [s["gamma"]]
     for g in gammas:
         parse_gamma(g)
@@ -284,7 +284,7 @@ def parse_gamma(value, default=4) -> int | str:
     return g
 
 
-def _cap_gamma(s: dict) -> str | None:
+def cap_gamma(s: dict) -> str | None:
     """A single set γ above ``max_new_tokens`` is lowered to it (a round never drafts more than the
     tokens still to generate), before :func:`parse_gamma` checks the bound. Returns the note to
     print once every setting is checked, or ``None``."""

@@ -42,7 +42,7 @@ from jax import lax
 from specjax.core.dynamic_tree import build_dynamic_tree
 from specjax.core.sampling import sample
 from specjax.core.tree_structure import (  # noqa: F401  (the structure helpers, re-exported)
-    DraftTree, _ancestors_row, _children_row, _live, _paths_row, ancestor_matrix, attention_mask, block_attention_mask,
+    DraftTree, ancestors_row, children_row, live_nodes, paths_row, ancestor_matrix, attention_mask, block_attention_mask,
     chain_tree, check_tree, children_table, limit_depth, node_paths, path_tokens, positions,
 )
 
@@ -375,7 +375,7 @@ def verify_tree_row(
     _check_inputs(tree, target_probs, uniforms, scheme, batched=False)
     depth_max, k_max = tree.max_depth, tree.max_children
     tokens = tree.tokens
-    children = _children_row(tree.parents, _live(tree), k_max)  # [N+1, K]
+    children = children_row(tree.parents, live_nodes(tree), k_max)  # [N+1, K]
     p_all = target_probs
     q_all = None if scheme == "deterministic" else jnp.asarray(tree.draft_probs, jnp.float32)
     vocab = p_all.shape[-1]
@@ -466,13 +466,13 @@ def verify_tree_greedy(tree: DraftTree, target_scores: jax.Array) -> GreedyAccep
     def row(tokens, parents, depth, live, scores):
         best_token = jnp.argmax(scores, axis=-1).astype(jnp.int32)  # [N+1], lowest id on ties
         match = live & (tokens == best_token[parents + 1])
-        anc = _ancestors_row(parents, depth_max)
+        anc = ancestors_row(parents, depth_max)
         ok = match & ~jnp.any(anc & ~match[None, :], axis=1)
         reach = jnp.where(ok, depth, 0)
         best = jnp.argmax(reach).astype(jnp.int32)  # deepest, lowest id on ties
         n = reach[best]
-        path = jnp.where(n > 0, _paths_row(parents, depth, depth_max)[best], -1)
+        path = jnp.where(n > 0, paths_row(parents, depth, depth_max)[best], -1)
         next_token = best_token[jnp.where(n > 0, best + 1, 0)]
         return GreedyAcceptance(n.astype(jnp.int32), path, next_token)
 
-    return jax.vmap(row)(tree.tokens, tree.parents, tree.depth, _live(tree), target_scores)
+    return jax.vmap(row)(tree.tokens, tree.parents, tree.depth, live_nodes(tree), target_scores)

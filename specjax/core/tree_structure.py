@@ -190,12 +190,12 @@ def limit_depth(tree: DraftTree, num_allowed) -> DraftTree:
 # ------------------------------------------------------------- structure helpers ---------
 
 
-def _live(tree: DraftTree) -> jax.Array:
+def live_nodes(tree: DraftTree) -> jax.Array:
     """Valid nodes within ``max_depth`` (bool, the tree's batch shape + [N])."""
     return tree.valid & (tree.depth >= 1) & (tree.depth <= tree.max_depth)
 
 
-def _ancestors_row(parents: jax.Array, steps: int) -> jax.Array:
+def ancestors_row(parents: jax.Array, steps: int) -> jax.Array:
     """bool [N, N]: [i, j] = j is a strict ancestor of i (pointer chasing, ``steps`` levels)."""
     nodes = parents.shape[0]
     anc = jnp.zeros((nodes, nodes), bool)
@@ -212,7 +212,7 @@ def ancestor_matrix(tree: DraftTree) -> jax.Array:
     Follows ``parents`` for ``max_depth`` levels (enough for every node within ``max_depth``);
     validity is not applied (rows of invalid nodes follow their parents all the same).
     """
-    return jax.vmap(lambda par: _ancestors_row(par, tree.max_depth))(tree.parents)
+    return jax.vmap(lambda par: ancestors_row(par, tree.max_depth))(tree.parents)
 
 
 def attention_mask(tree: DraftTree) -> jax.Array:
@@ -250,9 +250,9 @@ def positions(tree: DraftTree, lengths) -> jax.Array:
     return jnp.concatenate([root, root + tree.depth], axis=1)
 
 
-def _paths_row(parents, depth, max_depth):
+def paths_row(parents, depth, max_depth):
     nodes = parents.shape[0]
-    self_or_anc = _ancestors_row(parents, max_depth) | jnp.eye(nodes, dtype=bool)
+    self_or_anc = ancestors_row(parents, max_depth) | jnp.eye(nodes, dtype=bool)
     level = jnp.arange(1, max_depth + 1, dtype=jnp.int32)
     hit = self_or_anc[:, None, :] & (depth[None, None, :] == level[None, :, None])  # [N, D, N]
     return jnp.where(jnp.any(hit, -1), jnp.argmax(hit, -1), -1).astype(jnp.int32)
@@ -264,10 +264,10 @@ def node_paths(tree: DraftTree) -> jax.Array:
     ``[b, i, l]`` is the ancestor-or-self of i at depth ``l + 1``; entries deeper than node i
     are -1. Assumes consistent depths (:func:`check_tree`).
     """
-    return jax.vmap(lambda par, dep: _paths_row(par, dep, tree.max_depth))(tree.parents, tree.depth)
+    return jax.vmap(lambda par, dep: paths_row(par, dep, tree.max_depth))(tree.parents, tree.depth)
 
 
-def _children_row(parents, live, max_children):
+def children_row(parents, live, max_children):
     """int32 [N+1, K]: row u+1 = the live children of u (root: row 0) in node order, -1 padded."""
     nodes = parents.shape[0]
     same = (parents[:, None] == parents[None, :]) & live[None, :]
@@ -284,7 +284,7 @@ def _children_row(parents, live, max_children):
 def children_table(tree: DraftTree) -> jax.Array:
     """int32 ``[B, N+1, K]``: row ``u + 1`` lists the valid children of node u (row 0: the root's)
     in node order, padded with -1; valid children beyond ``max_children`` are left out."""
-    return jax.vmap(lambda par, live: _children_row(par, live, tree.max_children))(tree.parents, _live(tree))
+    return jax.vmap(lambda par, live: children_row(par, live, tree.max_children))(tree.parents, live_nodes(tree))
 
 
 def path_tokens(tree: DraftTree, path) -> jax.Array:

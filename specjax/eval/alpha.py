@@ -21,8 +21,8 @@ import numpy as np
 
 from specjax.core.drafting import DraftContext
 from specjax.drafters.model import fit_vocab
-from specjax.eval.common import _draft_call, _draft_init, _features_of, _sampling, _sampling_kw, _target_call
-from specjax.eval.speedup import _progress
+from specjax.eval.common import draft_call, draft_init, features_of, sampling_params, sampling_key, target_call
+from specjax.eval.speedup import progress_bar
 from specjax.models import llama
 from specjax.runtime.decoder import BUFFER_BUCKET, Decoder, Program, round_up, prompt_bucket, seed_key
 from specjax.runtime.settings import DecodeSettings
@@ -171,11 +171,11 @@ def _betas_teacher_forced(target, drafter, tok, starts, counts, width, sp_kw, ba
     one target and one drafter forward per batch of ``batch_size`` padded rows of ``tok [N, L]``."""
     n = len(tok)
     b = max(1, min(int(batch_size), n))
-    sp = _sampling(b, **sp_kw)
+    sp = sampling_params(b, **sp_kw)
     model = drafter.causal_model
     tdt, ddt = _cache_dtype(target), jnp.dtype(model.cache_dtype)
     betas = []
-    for lo in _progress(range(0, n, b), "alpha", enabled=progress):
+    for lo in progress_bar(range(0, n, b), "alpha", enabled=progress):
         rows = list(range(lo, min(lo + b, n)))
         rows_pad = rows + [rows[0]] * (b - len(rows))
         st = np.asarray([starts[i] for i in rows_pad], np.int32)
@@ -191,14 +191,14 @@ def _betas_proposed(target, drafter, tok, starts, counts, width, sp_kw, seed, pr
     nothing was proposed); with ``slots`` > 1 one ``slots``-token proposal per position, β ``[n, slots]``
     (slot i against p at the position i − 1 further on; NaN past the continuation's end)."""
     vocab, length = target.config.vocab_size, tok.shape[1]
-    sp1, spw = _sampling(1, **sp_kw), _sampling(width, **sp_kw)
+    sp1, spw = sampling_params(1, **sp_kw), sampling_params(width, **sp_kw)
     keys = jax.vmap(lambda i: jax.random.split(jax.random.fold_in(seed_key(seed), i), slots))(jnp.arange(width))
     tdt = _cache_dtype(target)
     betas = []
-    for i in _progress(range(len(tok)), "alpha", total=len(tok), enabled=progress):
+    for i in progress_bar(range(len(tok)), "alpha", total=len(tok), enabled=progress):
         row = tok[i: i + 1]
         p, hidden = _teacher_probs(target.graphdef, target.config, target.params, jnp.asarray(row),
-                                   jnp.asarray([starts[i]], np.int32), sp1, width, vocab, tdt, _features_of(drafter))
+                                   jnp.asarray([starts[i]], np.int32), sp1, width, vocab, tdt, features_of(drafter))
         lengths = np.clip(starts[i] + 1 + np.arange(width), 1, length - 1).astype(np.int32)
         buf = jnp.asarray(np.repeat(row, width, axis=0))
         beta, proposed = _betas_generic(drafter, drafter.params, p[0], hidden[0], buf, jnp.asarray(lengths), spw,
@@ -244,7 +244,7 @@ def _alpha_summary(prompts, betas) -> dict:
 # --------------------------------------------------------------------------- along the target's decoded continuation
 def _continuation(target, progs: dict, ids: Sequence[int], n_new: int, sp, rng, eos: set,
                   feature_layers: tuple[int, ...] = ()) -> tuple:
-    """The target's own continuation of ``ids``, decoded with :func:`_target_call` on a KV
+    """The target's own continuation of ``ids``, decoded with :func:`target_call` on a KV
     cache of ``progs[0]``'s buffer (the autoregressive program's): the prompt in one call over
     its padded bucket, as the Decoder's prefill writes it (in bfloat16/int8 a prompt fed token
     by token gets other K/V and may continue differently at a near-tie), then one token per
@@ -262,7 +262,7 @@ def _continuation(target, progs: dict, ids: Sequence[int], n_new: int, sp, rng, 
 
     def call(tokens, start):
         t = len(tokens)
-        probs, h, box[0] = _target_call(target.graphdef, cfg, target.params, jnp.asarray([tokens], jnp.int32),
+        probs, h, box[0] = target_call(target.graphdef, cfg, target.params, jnp.asarray([tokens], jnp.int32),
                                         jnp.asarray([np.arange(start, start + t)], jnp.int32), box[0], sp,
                                         None, feature_layers)
         return probs[0], np.asarray(h[0], np.float32)
@@ -309,9 +309,9 @@ def _betas_first_proposal(cfg, drafter, prog: Program, ids, new, p, hidden, sp, 
     betas = np.full((len(new), slots), np.nan)
     for k in range(len(new)):
         lens = jnp.asarray([len(ids) + k], jnp.int32)
-        state = _draft_init(drafter, drafter.params, DraftContext(toks, lens, sp, hid, zeros), buf)
+        state = draft_init(drafter, drafter.params, DraftContext(toks, lens, sp, hid, zeros), buf)
         keys = jnp.asarray(rng.integers(0, 2 ** 32, (1, slots, 2), dtype=np.uint32))  # raw threefry keys (q is not drawn)
-        _, q, valid, _ = _draft_call(drafter, drafter.params, state, DraftContext(toks, lens, sp, last, zeros),
+        _, q, valid, _ = draft_call(drafter, drafter.params, state, DraftContext(toks, lens, sp, last, zeros),
                                      keys, slots, vocab)
         q = np.asarray(q[0], np.float32)
         for i in range(min(int(valid[0]), len(new) - k)):
@@ -336,14 +336,14 @@ def alpha_by_decoding(target, drafter, prompts: Sequence[dict], progs: dict, set
       drafts γ slots in one pass (``chain_passes(γ) == 1``, a block drafter) with programs up to γ > 1,
       also ``alpha_by_position`` (slots 1..γ of one proposal: :func:`_betas_first_proposal`).
     """
-    sp_kw = _sampling_kw(settings)
-    sp = _sampling(1, **sp_kw)
+    sp_kw = sampling_key(settings)
+    sp = sampling_params(1, **sp_kw)
     eos = set() if settings.ignore_eos else set(target.config.eos_token_ids)
     slots = max(progs) if drafter.chain_passes(max(progs)) == 1 and max(progs) > 1 else 1
     betas, by_slot, conts = [], [], []
     for i, rec in enumerate(prompts):
         rng = None if settings.temperature == 0 else np.random.default_rng([int(settings.seed), i])
-        new, p, hidden = _continuation(target, progs, rec["ids"], new_tokens, sp, rng, eos, _features_of(drafter))
+        new, p, hidden = _continuation(target, progs, rec["ids"], new_tokens, sp, rng, eos, features_of(drafter))
         keys = np.random.default_rng([int(settings.seed), i, 1])
         b = _betas_first_proposal(target.config, drafter, progs[slots], rec["ids"], new, p, hidden, sp, keys, slots)
         betas.append(b if slots == 1 else b[:, 0])

@@ -13,8 +13,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from specjax.eval.alpha import AUTO_NEW_TOKENS, alpha_by_decoding
-from specjax.eval.common import _sampling, _sampling_kw, prompt_records
-from specjax.eval.costs import _median_ms, _target_case, measure_costs, timed_programs
+from specjax.eval.common import sampling_params, sampling_key, prompt_records
+from specjax.eval.costs import median_ms, target_case, measure_costs, timed_programs
 from specjax.eval.hostcache import cached_or_measured
 from specjax.eval.speedup import best_row, theory_rows
 from specjax.models import llama
@@ -93,7 +93,7 @@ def recommend(target, drafter, prompts, settings: DecodeSettings | None = None, 
     validate_batch([r["ids"] for r in recs], mnt, 1, drafter, ctx)  # the Decoder's own messages
     progs = timed_programs(target, drafter, [0, *timed], plen, mnt)
     pair = {"target": model_fingerprint(target), "drafter": drafter_fingerprint(drafter)}
-    sp_kw = _sampling_kw(settings)
+    sp_kw = sampling_key(settings)
     costs, costs_src = _auto_costs(target, drafter, pair, gammas, timed, plen, mnt, progs, timing_repeats, sp_kw,
                                    cache, progress, int(batch))
     n_new = min(AUTO_NEW_TOKENS, mnt, ctx - plen)  # within the context, like the run itself
@@ -197,7 +197,7 @@ def fastest_format(model, *, formats: Sequence[str] = llama.WEIGHT_FORMATS, toke
     measured against float32 once per model and host (cached) and dropped if it misses the bar.
     Then each remaining format's step is one target call of ``tokens`` new tokens (1: an
     autoregressive step; γ + 1: a verification) on the KV cache of the Decoder's own program for
-    ``FORMAT_SHAPE`` (32 prompt + 128 new tokens) — :func:`_target_case`, as
+    ``FORMAT_SHAPE`` (32 prompt + 128 new tokens) — :func:`target_case`, as
     :func:`measure_costs` times it — warmed up ``warmup`` times, then timed round-robin
     ``repeats`` times; the smallest median wins. The models in the other formats are made in
     memory from one float32 load (:func:`specjax.io.loading.convert_model`).
@@ -295,18 +295,18 @@ def _predicted_choice(model, formats: list[str], fid: dict, cache, ident: dict, 
 
 def _step_ms(faithful: list[str], base, box: dict, tokens: int, warmup: int, repeats: int) -> dict:
     """``{"step_ms": {format: ms}}``: each faithful format's target step of ``tokens`` new tokens
-    (:func:`_target_case` on the program for ``FORMAT_SHAPE``), the models made from ``base()``
-    (float32) and kept in ``box``; timed round-robin (:func:`_median_ms`)."""
+    (:func:`target_case` on the program for ``FORMAT_SHAPE``), the models made from ``base()``
+    (float32) and kept in ``box``; timed round-robin (:func:`median_ms`)."""
     from specjax.io.loading import convert_model
 
     plen, mnt = FORMAT_SHAPE
-    sp = _sampling(1, 0.0, 0, 1.0)
+    sp = sampling_params(1, 0.0, 0, 1.0)
     calls = {}
     for fmt in faithful:
         m = box[fmt] = convert_model(base(), fmt)
         prog = timed_programs(m, None, [tokens - 1], plen, mnt)[tokens - 1]
-        calls[("step", fmt)] = _target_case(m, prog, 1, tokens, plen + mnt // 2, sp)
-    med = _median_ms(calls, warmup, repeats)
+        calls[("step", fmt)] = target_case(m, prog, 1, tokens, plen + mnt // 2, sp)
+    med = median_ms(calls, warmup, repeats)
     return {"step_ms": {fmt: med[("step", fmt)] for fmt in faithful}}
 
 

@@ -43,11 +43,11 @@ import numpy as np
 
 from specjax.core.settings import as_dict
 from specjax.eval.bench_io import (  # noqa: F401  (re-exported: bench is the public module)
-    _json_default, check_out_path, check_writable, filter_split, machine_info, make_batches, select_prompts,
+    json_default, check_out_path, check_writable, filter_split, machine_info, make_batches, select_prompts,
     split_categories, write_json,
 )
 from specjax.eval.bench_summary import (  # noqa: F401  (re-exported, shared with benchmarks/)
-    SUMMARY_FIELDS, MethodSpec, _ratio, aggregate, baselines, method_name, summarize,
+    SUMMARY_FIELDS, MethodSpec, safe_ratio, aggregate, baselines, method_name, summarize,
 )
 from specjax.runtime.settings import DecodeSettings
 

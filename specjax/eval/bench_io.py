@@ -145,7 +145,7 @@ def write_json(path: str, obj: Any, force: bool) -> None:
     os.makedirs(d, exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, default=_json_default)
+        json.dump(obj, f, indent=1, default=json_default)
         f.write("\n")
     if not force and os.path.exists(path):  # appeared meanwhile: keep what the user wrote
         os.remove(tmp)
@@ -153,7 +153,7 @@ def write_json(path: str, obj: Any, force: bool) -> None:
     os.replace(tmp, path)
 
 
-def _json_default(o):
+def json_default(o):
     import numpy as np
 
     if isinstance(o, np.generic):

@@ -66,7 +66,7 @@ def aggregate(batches: Iterable[dict], spec: MethodSpec) -> dict:
     }
 
 
-def _ratio(a, b):
+def safe_ratio(a, b):
     if a is None or b is None or not b or (isinstance(a, float) and math.isnan(a)):
         return None
     return a / b
@@ -102,8 +102,8 @@ def summarize(specs: Sequence[MethodSpec], batch_records: dict[str, list[dict]],
         for mine, ref in pairs:
             if ref is None:
                 continue
-            mine["speedup"] = _ratio(mine["tokens_per_s"], ref["tokens_per_s"])
-            mine["speedup_decode_time"] = _ratio(ref["decode_s"], mine["decode_s"])
+            mine["speedup"] = safe_ratio(mine["tokens_per_s"], ref["tokens_per_s"])
+            mine["speedup_decode_time"] = safe_ratio(ref["decode_s"], mine["decode_s"])
     return out
 
 

@@ -43,24 +43,24 @@ def prompt_records(prompts, target=None, chat: bool = False, parse_special: bool
     return recs
 
 
-def _sampling_kw(settings: DecodeSettings) -> dict:
+def sampling_key(settings: DecodeSettings) -> dict:
     """Every declared sampling field of ``settings`` (the measurement cache keys include them all:
     a new field can never reuse a stale measurement)."""
     return as_dict(settings.sampling)
 
 
-def _sampling(batch, temperature=0.0, top_k=0, top_p=1.0, **fields):
+def sampling_params(batch, temperature=0.0, top_k=0, top_p=1.0, **fields):
     return SamplingParams.create(batch, temperature, top_k, top_p, **fields)
 
 
-def _features_of(drafter) -> tuple[int, ...]:
+def features_of(drafter) -> tuple[int, ...]:
     """The target blocks ``drafter`` reads (its ``feature_layers``: fused features), or ``()``."""
     return tuple(drafter.feature_layers) if drafter is not None else ()
 
 
 # --------------------------------------------------------------------------- the loop's calls
 @functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "feature_layers"), donate_argnames=("cache",))
-def _target_call(graphdef, cfg, params, tokens, positions, cache, sampling, tree_mask=None, feature_layers=()):
+def target_call(graphdef, cfg, params, tokens, positions, cache, sampling, tree_mask=None, feature_layers=()):
     """One target call as the loop makes it: ``llama.apply`` over ``tokens [B, T]`` (with
     ``tree_mask [B, T, T]`` for a verification block: :func:`specjax.runtime.loop.verification_mask`
     for a chain, ``tree.block_attention_mask`` for a tree; ``None`` for a prefill or one token),
@@ -72,12 +72,12 @@ def _target_call(graphdef, cfg, params, tokens, positions, cache, sampling, tree
 
 
 @functools.partial(jax.jit, static_argnames=("drafter", "gamma", "vocab"), donate_argnames=("state",))
-def _draft_call(drafter, params, state, ctx, keys, gamma, vocab):
+def draft_call(drafter, params, state, ctx, keys, gamma, vocab):
     """One whole ``propose`` call: ``(tokens [B, γ], q [B, γ, V], num_valid [B], state)``."""
     prop = drafter.propose(params, state, ctx, keys, gamma, vocab)
     return prop.tokens, prop.probs, prop.num_valid, prop.state
 
 
 @functools.partial(jax.jit, static_argnames=("drafter", "max_len"))
-def _draft_init(drafter, params, ctx, max_len):
+def draft_init(drafter, params, ctx, max_len):
     return drafter.init_state(params, ctx, max_len)

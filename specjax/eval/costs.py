@@ -18,7 +18,7 @@ import numpy as np
 from specjax.core.drafting import DraftContext
 from specjax.drafters.ngram import NgramDrafter
 from specjax.eval import theory as analysis
-from specjax.eval.common import _draft_call, _draft_init, _features_of, _sampling, _target_call
+from specjax.eval.common import draft_call, draft_init, features_of, sampling_params, target_call
 from specjax.models import llama
 from specjax.runtime.decoder import Decoder, Program
 from specjax.runtime.loop import verification_mask
@@ -52,7 +52,7 @@ def timed_programs(target, drafter, gammas: Sequence[int], prompt_len: int, max_
 
 def _feature_size(cfg, drafter) -> int:
     """Width of the target feature ``drafter`` reads."""
-    return cfg.hidden_size * max(1, len(_features_of(drafter)))
+    return cfg.hidden_size * max(1, len(features_of(drafter)))
 
 
 def _interp(gs_known: Sequence[int], vals: Sequence[float], gs: Sequence[int]) -> list[float]:
@@ -111,11 +111,11 @@ def measure_costs(
         raise ValueError(f"gammas must be integers >= 1, got {gammas}")
     timed = sorted({int(g) for g in (measure_gammas or gammas)})
     b = int(batch)
-    sp = _sampling(b, temperature, top_k, top_p, **sampling)
+    sp = sampling_params(b, temperature, top_k, top_p, **sampling)
     pos0 = int(prompt_len) + int(max_new_tokens) // 2
     progs = timed_programs(target, drafter, [0, *timed], prompt_len, max_new_tokens)
     calls, tprogs = _cost_calls(target, drafter, progs, timed, trees, b, pos0, sp, prompt_len, max_new_tokens)
-    med = _median_ms(calls, warmup, repeats)
+    med = median_ms(calls, warmup, repeats)
     return _cost_report(med, gammas, timed, drafter, progs, trees, tprogs, b, repeats)
 
 
@@ -123,9 +123,9 @@ def _cost_calls(target, drafter, progs: dict, timed: Sequence[int], trees: Seque
                 prompt_len: int, max_new_tokens: int) -> tuple[dict, dict]:
     """:func:`measure_costs`' timed calls ``{kind: run()}`` (the target at 1 and γ + 1 tokens, the
     drafter at each timed γ, each tree's target and drafter calls) and the tree programs ``{shape: Program}``."""
-    calls = {("target", 1): _target_case(target, progs[0], b, 1, pos0, sp)}  # name -> run() -> None
+    calls = {("target", 1): target_case(target, progs[0], b, 1, pos0, sp)}  # name -> run() -> None
     for g in timed:
-        calls[("target", g + 1)] = _target_case(target, progs[g], b, g + 1, pos0, sp)
+        calls[("target", g + 1)] = target_case(target, progs[g], b, g + 1, pos0, sp)
         if drafter is not None:
             calls[("draft", g)] = _draft_case(target.config, drafter, progs[g].buffer_len, b, g, pos0, sp)
     tprogs = {}
@@ -141,7 +141,7 @@ def _cost_calls(target, drafter, progs: dict, timed: Sequence[int], trees: Seque
 
 def _cost_report(med: dict, gammas: list[int], timed: list[int], drafter, progs: dict, trees: Sequence[Any],
                  tprogs: dict, b: int, repeats: int) -> dict:
-    """:func:`measure_costs`' result from the median call times ``med`` (:func:`_median_ms`)."""
+    """:func:`measure_costs`' result from the median call times ``med`` (:func:`median_ms`)."""
     t1 = med[("target", 1)]
     # untimed γ: the call times interpolated linearly (a call's cost is about affine in its width)
     v = [t / t1 for t in _interp(timed, [med[("target", g + 1)] for g in timed], gammas)]
@@ -185,7 +185,7 @@ def _cost_rng(*salt: int) -> np.random.Generator:
     return np.random.default_rng([0, *salt])
 
 
-def _target_case(target, prog: Program, b: int, t: int, pos0: int, sp):
+def target_case(target, prog: Program, b: int, t: int, pos0: int, sp):
     """``run()``: one target call over ``t`` new tokens at positions ``pos0..`` on a donated
     KV cache of ``prog``'s buffer length and cache dtype (batch ``b``)."""
     cfg = target.config
@@ -196,7 +196,7 @@ def _target_case(target, prog: Program, b: int, t: int, pos0: int, sp):
     mask = verification_mask(b, t)
 
     def run():
-        probs, _, box[0] = _target_call(target.graphdef, cfg, target.params, toks, pos, box[0], sp, mask,
+        probs, _, box[0] = target_call(target.graphdef, cfg, target.params, toks, pos, box[0], sp, mask,
                                         prog.feature_layers)
         jax.block_until_ready(probs)
     return run
@@ -211,13 +211,13 @@ def _draft_case(cfg, drafter, buf: int, b: int, g: int, pos0: int, sp):
     toks[:, pos0 // 2: pos0] = toks[:, : pos0 - pos0 // 2]
     hid = (0.1 * rng.standard_normal((b, buf, _feature_size(cfg, drafter)))).astype(np.float32)
     toks, lens, zeros = jnp.asarray(toks, jnp.int32), jnp.full((b,), pos0, jnp.int32), jnp.zeros((b,), jnp.int32)
-    box = [_draft_init(drafter, drafter.params, DraftContext(toks, lens, sp, jnp.asarray(hid), zeros), buf)]
+    box = [draft_init(drafter, drafter.params, DraftContext(toks, lens, sp, jnp.asarray(hid), zeros), buf)]
     # a round after a verify call: γ+1 hidden states of the last target call, n = 0
     ctx = DraftContext(toks, lens, sp, jnp.asarray(hid[:, pos0 - 1: pos0 + g]), zeros)
     keys = jnp.asarray(rng.integers(0, 2 ** 32, (b, g, 2), dtype=np.uint32))  # raw threefry keys
 
     def run():
-        t, q, _, box[0] = _draft_call(drafter, drafter.params, box[0], ctx, keys, g, vocab)
+        t, q, _, box[0] = draft_call(drafter, drafter.params, box[0], ctx, keys, g, vocab)
         jax.block_until_ready((t, q))
     return run
 
@@ -253,7 +253,7 @@ def _tree_target_case(target, prog: Program, b: int, shape, pos0: int, sp):
     box = [llama.KVCache.create(cfg, b, prog.buffer_len, jnp.dtype(prog.cache_dtype))]
 
     def run():
-        probs, _, box[0] = _target_call(target.graphdef, cfg, target.params, toks, pos, box[0], sp, mask,
+        probs, _, box[0] = target_call(target.graphdef, cfg, target.params, toks, pos, box[0], sp, mask,
                                         prog.feature_layers)
         jax.block_until_ready(probs)
     return run
@@ -267,7 +267,7 @@ def _tree_draft_case(cfg, drafter, buf: int, b: int, shape, pos0: int, sp):
     toks[:, pos0 // 2: pos0] = toks[:, : pos0 - pos0 // 2]  # n-gram matches, as in _draft_case
     hid = (0.1 * rng.standard_normal((b, buf, _feature_size(cfg, drafter)))).astype(np.float32)
     toks, lens, zeros = jnp.asarray(toks, jnp.int32), jnp.full((b,), pos0, jnp.int32), jnp.zeros((b,), jnp.int32)
-    box = [_draft_init(drafter, drafter.params, DraftContext(toks, lens, sp, jnp.asarray(hid), zeros), buf)]
+    box = [draft_init(drafter, drafter.params, DraftContext(toks, lens, sp, jnp.asarray(hid), zeros), buf)]
     ctx = DraftContext(toks, lens, sp, jnp.asarray(hid[:, pos0 - 1: pos0 + shape.depth]), zeros)
     keys = jnp.asarray(rng.integers(0, 2 ** 32, (b, shape.nodes, 2), dtype=np.uint32))
 
@@ -277,7 +277,7 @@ def _tree_draft_case(cfg, drafter, buf: int, b: int, shape, pos0: int, sp):
     return run
 
 
-def _median_ms(calls: dict, warmup: int, repeats: int) -> dict:
+def median_ms(calls: dict, warmup: int, repeats: int) -> dict:
     """Median milliseconds per call kind: each ``run()`` warmed up ``warmup`` times (compile),
     then all kinds timed round-robin ``repeats`` times (load drift hits every kind alike)."""
     for run in calls.values():

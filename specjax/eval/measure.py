@@ -28,20 +28,20 @@ Prompts are records ``{"ids": [...]} | {"prompt": text}`` with optional ``catego
 from __future__ import annotations
 
 # re-exported: measure is the public module (tests patch the functions where their callers look
-# them up: recommend's measure_costs / alpha_by_decoding and fastest_format's _median_ms in
+# them up: recommend's measure_costs / alpha_by_decoding and fastest_format's median_ms in
 # specjax.eval.auto)
 from specjax.eval.alpha import ALPHA_METHOD, AUTO_NEW_TOKENS, alpha_by_decoding, measure_alpha  # noqa: F401
 from specjax.eval.auto import (  # noqa: F401
     AUTO_METHOD, AUTO_PROMPTS, FORMAT_SHAPE, PREDICTED_FORMATS, fastest_format, predicted_format, recommend,
     recommend_gamma,
 )
-from specjax.eval.common import _sampling, _sampling_kw, prompt_records  # noqa: F401
+from specjax.eval.common import sampling_params, sampling_key, prompt_records  # noqa: F401
 from specjax.eval.costs import (  # noqa: F401
-    COST_METHOD, _median_ms, _target_case, measure_costs, timed_programs, tree_key, tree_program,
+    COST_METHOD, median_ms, target_case, measure_costs, timed_programs, tree_key, tree_program,
 )
 from specjax.eval.pair import TREE_MODEL, analyze_pair, recommend_shape, tree_entry  # noqa: F401
 from specjax.eval.speedup import (  # noqa: F401
-    _progress, autoregressive_run, best_row, compare, measure_speedup, theory_rows,
+    progress_bar, autoregressive_run, best_row, compare, measure_speedup, theory_rows,
 )
 
 __all__ = [

@@ -12,7 +12,7 @@ import numpy as np
 
 from specjax.eval import theory as analysis
 from specjax.eval.alpha import measure_alpha
-from specjax.eval.common import _sampling_kw, prompt_records
+from specjax.eval.common import sampling_key, prompt_records
 from specjax.eval.costs import measure_costs, tree_key
 from specjax.eval.speedup import autoregressive_run, best_row, compare, measure_speedup, theory_rows
 from specjax.runtime.settings import DecodeSettings
@@ -62,7 +62,7 @@ def analyze_pair(
     settings = DecodeSettings(batch_size=1) if settings is None else settings
     say = log or (lambda *_: None)
     recs = prompt_records(prompts, target, chat, parse_special)
-    sp_kw = _sampling_kw(settings)
+    sp_kw = sampling_key(settings)
     decoders: dict = {}
     say(f"[1/5] target's own output: {len(recs)} prompts × ≤{settings.max_new_tokens} tokens")
     base = autoregressive_run(target, recs, settings, decoders=decoders, progress=progress)
@@ -225,7 +225,7 @@ def _pair_report(target, drafter, settings, chat, recs, plen, alpha, costs, rows
         "drafter": drafter.name,
         "settings": {"max_new_tokens": settings.max_new_tokens, "batch_size": settings.batch_size, "chat": chat,
                      "seed": settings.seed, "ignore_eos": settings.ignore_eos, "prompts": len(recs),
-                     "median_prompt_tokens": plen, **_sampling_kw(settings)},
+                     "median_prompt_tokens": plen, **sampling_key(settings)},
         "alpha": {k: alpha[k] for k in ("alpha", "positions", "coverage", "by_category", "per_prompt", "method",
                                         "alpha_by_position") if k in alpha},
         # one number for the plot and summaries: c(γ) at the recommended γ (the table uses c(γ) per γ)

@@ -18,7 +18,7 @@ from specjax.runtime.decoder import Decoder
 from specjax.runtime.settings import DecodeSettings
 
 
-def _progress(iterable, desc: str, total: int | None = None, enabled: bool = False):
+def progress_bar(iterable, desc: str, total: int | None = None, enabled: bool = False):
     """``iterable`` with a tqdm bar on stderr when ``enabled`` and stderr is a terminal
     (``disable=None``: no carriage-return lines in logs; stdout is never written)."""
     from tqdm import tqdm
@@ -147,7 +147,7 @@ def _interleaved_runs(kinds, prompts, settings, repeats, desc, progress):
     results = {k: [] for k, _ in kinds}
     times = {k: [] for k, _ in kinds}
     gens = {k: list(_decode_batches(dec, prompts, settings)) for k, dec in kinds}
-    for bi in _progress(range(len(gens[kinds[0][0]])), desc, enabled=progress):
+    for bi in progress_bar(range(len(gens[kinds[0][0]])), desc, enabled=progress):
         per = {k: [] for k, _ in kinds}
         last = {}
         for _ in range(max(1, int(repeats))):
@@ -170,7 +170,7 @@ def autoregressive_run(target, prompts, settings: DecodeSettings | None = None, 
     dec = _decoder({} if decoders is None else decoders, target, None, 0)
     res, times = [], []
     batches = _decode_batches(dec, prompts, settings)
-    for rows, run in _progress(batches, "target", total=len(settings.batches(len(prompts))), enabled=progress):
+    for rows, run in progress_bar(batches, "target", total=len(settings.batches(len(prompts))), enabled=progress):
         r = run()
         res.append((rows, r))
         times.append(r.decode_s)

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from specjax.eval.theory_args import (
-    VLike, _arr, _check_alpha, _check_c, _check_gamma, _check_mu, _describe, _out, _v_at,
+    VLike, as_array, check_alpha, check_c, check_gamma, check_mu, describe_value, as_output, v_at,
 )
 from specjax.eval.tree_theory import (  # noqa: F401  (the draft-tree formulas, re-exported)
     rank_acceptance, static_tree, tree_expected_tokens, tree_speedup, tree_table,
@@ -86,7 +86,7 @@ def beta(p: Any, q: Any) -> np.ndarray | np.float64:
       float64, shape ``[...]`` (the vocab axis reduced), in [0, 1] for
       normalised inputs; a numpy scalar for 1-D inputs.
     """
-    return _out(np.minimum(_arr(p), _arr(q)).sum(axis=-1))
+    return as_output(np.minimum(as_array(p), as_array(q)).sum(axis=-1))
 
 
 def d_lk(p: Any, q: Any) -> np.ndarray | np.float64:
@@ -101,7 +101,7 @@ def d_lk(p: Any, q: Any) -> np.ndarray | np.float64:
     Returns:
       float64, shape ``[...]``, in [0, 1].
     """
-    return _out(0.5 * np.abs(_arr(p) - _arr(q)).sum(axis=-1))
+    return as_output(0.5 * np.abs(as_array(p) - as_array(q)).sum(axis=-1))
 
 
 def acceptance_rate(betas: Any, weights: Any = None, axis: int | tuple[int, ...] | None = None) -> np.ndarray | np.float64:
@@ -116,15 +116,15 @@ def acceptance_rate(betas: Any, weights: Any = None, axis: int | tuple[int, ...]
     Returns:
       float64 alpha in [0, 1]; shape of ``betas`` with ``axis`` removed.
     """
-    b = _arr(betas)
+    b = as_array(betas)
     if not np.all((b >= 0.0) & (b <= 1.0)):
-        raise ValueError(f"betas must be in [0, 1], got {_describe(b)}")
+        raise ValueError(f"betas must be in [0, 1], got {describe_value(b)}")
     if weights is None:
-        return _out(np.asarray(np.mean(b, axis=axis)))
-    w = np.broadcast_to(_arr(weights), b.shape)
+        return as_output(np.asarray(np.mean(b, axis=axis)))
+    w = np.broadcast_to(as_array(weights), b.shape)
     if not np.all(np.isfinite(w) & (w >= 0.0)):
-        raise ValueError(f"weights must be finite and >= 0, got {_describe(w)}")
-    return _out(np.asarray(np.average(b, axis=axis, weights=w)))
+        raise ValueError(f"weights must be finite and >= 0, got {describe_value(w)}")
+    return as_output(np.asarray(np.average(b, axis=axis, weights=w)))
 
 
 # ----------------------------------------------------------------------------
@@ -148,13 +148,13 @@ def expected_tokens(alpha: Any, gamma: Any) -> np.ndarray | np.float64:
       float64 tokens per round, broadcast shape of the inputs, in
       [1, gamma + 1].
     """
-    a = _check_alpha(alpha)
-    g = _check_gamma(gamma)
+    a = check_alpha(alpha)
+    g = check_gamma(gamma)
     a, g = np.broadcast_arrays(a, g)
     with np.errstate(divide="ignore", invalid="ignore"):
         log_a = np.log(a)  # -inf at alpha = 0, giving expm1(-inf) = -1 -> E = 1
         ratio = np.expm1((g + 1.0) * log_a) / np.expm1(log_a)
-    return _out(np.where(a == 1.0, g + 1.0, ratio))
+    return as_output(np.where(a == 1.0, g + 1.0, ratio))
 
 
 def expected_tokens_by_position(alphas: Sequence[float], gamma: int) -> float:
@@ -176,7 +176,7 @@ def expected_tokens_by_position(alphas: Sequence[float], gamma: int) -> float:
     g = int(gamma)
     if a.ndim != 1 or a.size < g or g < 1:
         raise ValueError(f"need >= gamma = {g} per-position rates, got {a.size}")
-    _check_alpha(a)
+    check_alpha(a)
     return float(1.0 + np.cumprod(a[:g]).sum())
 
 
@@ -195,8 +195,8 @@ def walltime_improvement(alpha: Any, gamma: Any, c: Any) -> np.ndarray | np.floa
       float64 speedup factor over plain target decoding (dimensionless),
       broadcast shape of the inputs.
     """
-    c_ = _check_c(c)
-    return _out(np.asarray(expected_tokens(alpha, gamma) / (_check_gamma(gamma) * c_ + 1.0)))
+    c_ = check_c(c)
+    return as_output(np.asarray(expected_tokens(alpha, gamma) / (check_gamma(gamma) * c_ + 1.0)))
 
 
 def speedup(alpha: Any, gamma: Any, c: Any, v: VLike = None) -> np.ndarray | np.float64:
@@ -218,10 +218,10 @@ def speedup(alpha: Any, gamma: Any, c: Any, v: VLike = None) -> np.ndarray | np.
     Returns:
       float64 speedup factor (dimensionless), broadcast shape of the inputs.
     """
-    g = _check_gamma(gamma)
-    c_ = _check_c(c)
+    g = check_gamma(gamma)
+    c_ = check_c(c)
     e = expected_tokens(alpha, g)
-    return _out(np.asarray(e / (g * c_ + _v_at(v, g))))
+    return as_output(np.asarray(e / (g * c_ + v_at(v, g))))
 
 
 def operations_factor(alpha: Any, gamma: Any, mu: Any) -> np.ndarray | np.float64:
@@ -239,9 +239,9 @@ def operations_factor(alpha: Any, gamma: Any, mu: Any) -> np.ndarray | np.float6
       float64 ratio of total operations to plain target decoding
       (dimensionless, >= 1 when mu >= 0), broadcast shape of the inputs.
     """
-    g = _check_gamma(gamma)
-    m = _check_mu(mu)
-    return _out(np.asarray((g * m + g + 1.0) / expected_tokens(alpha, g)))
+    g = check_gamma(gamma)
+    m = check_mu(mu)
+    return as_output(np.asarray((g * m + g + 1.0) / expected_tokens(alpha, g)))
 
 
 def oracle_bound(alpha: Any) -> np.ndarray | np.float64:
@@ -255,9 +255,9 @@ def oracle_bound(alpha: Any) -> np.ndarray | np.float64:
     Returns:
       float64 upper bound on tokens per target call (dimensionless).
     """
-    a = _check_alpha(alpha)
+    a = check_alpha(alpha)
     with np.errstate(divide="ignore"):
-        return _out(np.asarray(1.0 / (1.0 - a)))
+        return as_output(np.asarray(1.0 / (1.0 - a)))
 
 
 def _candidate_gammas(v: VLike, max_gamma: int) -> np.ndarray:
@@ -293,7 +293,7 @@ def optimal_gamma(alpha: Any, c: Any, v: VLike = None, max_gamma: int = 64) -> t
     """
     if int(max_gamma) < 1:
         raise ValueError(f"max_gamma must be >= 1, got {max_gamma}")
-    a, c_ = np.broadcast_arrays(_check_alpha(alpha), _check_c(c))
+    a, c_ = np.broadcast_arrays(check_alpha(alpha), check_c(c))
     gs = _candidate_gammas(v, int(max_gamma))
     if v is not None and not callable(v) and not isinstance(v, Mapping) and np.ndim(v) == 1:
         v = np.asarray(v, dtype=np.float64)[: len(gs)]
@@ -327,11 +327,11 @@ def theory_table(alpha: float, c: float, gammas: Sequence[int] | Any, v: VLike =
     """
     if np.ndim(alpha) or np.ndim(c):
         raise ValueError("alpha and c must be scalars in theory_table")
-    g = _check_gamma(np.atleast_1d(np.asarray(gammas)))
+    g = check_gamma(np.atleast_1d(np.asarray(gammas)))
     if g.ndim != 1:
         raise ValueError(f"gammas must be 1-D, got shape {g.shape}")
     e = np.atleast_1d(expected_tokens(alpha, g))
-    cost = g * float(_check_c(c)) + np.broadcast_to(_v_at(v, g), g.shape)
+    cost = g * float(check_c(c)) + np.broadcast_to(v_at(v, g), g.shape)
     textbook = np.atleast_1d(walltime_improvement(alpha, g, c))
     return [
         {

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from specjax.eval.theory_args import (
-    VLike, _arr, _check_alpha, _check_c, _check_nonneg, _check_v, _describe, _out, _v_at,
+    VLike, as_array, check_alpha, check_c, check_nonneg, check_v, describe_value, as_output, v_at,
 )
 
 # ----------------------------------------------------------------------------
@@ -47,7 +47,7 @@ def rank_acceptance(alpha: Any, topk: int) -> np.ndarray:
     """
     if np.ndim(alpha):
         raise ValueError(f"alpha must be a scalar in rank_acceptance, got shape {np.shape(alpha)}")
-    a = float(_check_alpha(alpha))
+    a = float(check_alpha(alpha))
     k = _check_int("topk", topk)
     return a * (1.0 - a) ** np.arange(k, dtype=np.float64)
 
@@ -59,11 +59,11 @@ def _check_int(name: str, x: Any, lo: int = 1) -> int:
 
 
 def _check_rank_probs(rank_probs: Any) -> np.ndarray:
-    a = _arr(rank_probs)
+    a = as_array(rank_probs)
     if a.ndim != 1 or a.size < 1:
         raise ValueError(f"rank_probs must be a 1-D array [K] with K >= 1, got shape {a.shape}")
     if not np.all((a >= 0.0) & (a <= 1.0)):
-        raise ValueError(f"rank_probs must be in [0, 1], got {_describe(a)}")
+        raise ValueError(f"rank_probs must be in [0, 1], got {describe_value(a)}")
     if a.sum() > 1.0 + 1e-9:
         raise ValueError(f"rank_probs must sum to <= 1 (disjoint acceptances of distinct children), got {a.sum()}")
     return a
@@ -185,10 +185,10 @@ def tree_speedup(expected: Any, c_tree: Any, v: Any = 1.0) -> np.ndarray | np.fl
     Returns:
       float64 speedup (dimensionless), broadcast shape of the inputs.
     """
-    e = _arr(expected)
+    e = as_array(expected)
     if not np.all(np.isfinite(e) & (e >= 1.0)):
-        raise ValueError(f"expected tokens must be finite and >= 1, got {_describe(e)}")
-    return _out(np.asarray(e / (_check_nonneg("c_tree", c_tree) + _check_v(v))))
+        raise ValueError(f"expected tokens must be finite and >= 1, got {describe_value(e)}")
+    return as_output(np.asarray(e / (check_nonneg("c_tree", c_tree) + check_v(v))))
 
 
 def tree_table(rank_probs: Any, shapes: Sequence[tuple[int, int, int]], c: float,
@@ -209,12 +209,12 @@ def tree_table(rank_probs: Any, shapes: Sequence[tuple[int, int, int]], c: float
     """
     if np.ndim(c):
         raise ValueError("c must be a scalar in tree_table")
-    c_ = float(_check_c(c))
+    c_ = float(check_c(c))
     ns = np.asarray([float(s[0]) for s in shapes])
     if v is None or isinstance(v, Mapping) or callable(v):
-        vs = np.atleast_1d(_v_at(v, ns)) if len(ns) else ns
+        vs = np.atleast_1d(v_at(v, ns)) if len(ns) else ns
     else:
-        vs = np.broadcast_to(_check_v(v), ns.shape)
+        vs = np.broadcast_to(check_v(v), ns.shape)
     rows = []
     for (n, d, k), vi in zip(shapes, vs):
         parents, ranks = static_tree(n, d, k, rank_probs)

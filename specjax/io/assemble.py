@@ -1,7 +1,7 @@
 """Parameters from checkpoint tensors (part of :mod:`specjax.io.loading`, which re-exports it):
 :func:`assemble_params` checks every expected tensor's presence and shape, joins the parts of a
 fused weight, quantizes int8 formats and places each tensor on its device; the abstract model
-it fills is built quickly (:func:`_abstract_model`)."""
+it fills is built quickly (:func:`abstract_model_of`)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def assemble_params(
     dt = _dtype(dtype)
     if place is not None and hasattr(place, "for_config"):  # e.g. specjax.runtime.sharding.Placer:
         place = place.for_config(cfg, dt)  # head-sharding depends on head counts, not only shapes
-    graphdef, abstract = _abstract_model(cfg, str(dt))
+    graphdef, abstract = abstract_model_of(cfg, str(dt))
     expected = {tuple(p): v for p, v in _flat(nnx.to_pure_dict(abstract))}
     got: dict[tuple, jax.Array] = {}
     pending: dict[tuple, dict] = {}  # fused weight path -> {part name: array} so far
@@ -54,7 +54,7 @@ def assemble_params(
             spec, part = fused
             want = tuple(part.shape(cfg))
             if tuple(arr.shape) != want:
-                raise CheckpointError(f"{source}: tensor {_name(path)} has shape {tuple(arr.shape)}, expected {want}")
+                raise CheckpointError(f"{source}: tensor {param_path_name(path)} has shape {tuple(arr.shape)}, expected {want}")
             path = path[:-1] + (spec.name,)
             have = pending.setdefault(path, {})
             have[part.name] = arr
@@ -63,11 +63,11 @@ def assemble_params(
             arr = llama.fuse(spec, cfg, [have[q.name] for q in spec.parts])
             del pending[path]
         if path not in expected:
-            raise CheckpointError(f"{source}: unexpected tensor {_name(path)} (shape {tuple(arr.shape)}) "
+            raise CheckpointError(f"{source}: unexpected tensor {param_path_name(path)} (shape {tuple(arr.shape)}) "
                                   f"for a {cfg.model_type} model with this config")
         want = tuple(expected[path].shape)
         if tuple(arr.shape) != want:
-            raise CheckpointError(f"{source}: tensor {_name(path)} has shape {tuple(arr.shape)}, expected {want}")
+            raise CheckpointError(f"{source}: tensor {param_path_name(path)} has shape {tuple(arr.shape)}, expected {want}")
         items = [(path, arr)]
         spec = llama.weight_spec(path[-1])
         if dt == "int8" and spec is not None and spec.quant_axis is not None:  # per-channel int8 + float32 scale
@@ -84,12 +84,12 @@ def assemble_params(
         have = pending.get(p, {})
         missing += [p[:-1] + (t.name,) for t in spec.tensors() if t.name not in have] if spec.parts else [p]
     if missing:
-        names = ", ".join(_name(p) for p in missing[:8]) + (" …" if len(missing) > 8 else "")
+        names = ", ".join(param_path_name(p) for p in missing[:8]) + (" …" if len(missing) > 8 else "")
         raise CheckpointError(f"{source}: {len(missing)} missing tensor(s): {names}")
-    return graphdef, _state(abstract, got)
+    return graphdef, state_of(abstract, got)
 
 
-class _FixedKeys:
+class FixedKeys:
     """A stand-in for ``nnx.Rngs`` when only shapes are built: ``params()`` is a fixed key."""
 
     @staticmethod
@@ -97,25 +97,25 @@ class _FixedKeys:
         return jax.random.key(0)
 
 
-def _abstract_model(cfg: ModelConfig, fmt: str):
+def abstract_model_of(cfg: ModelConfig, fmt: str):
     """:func:`specjax.models.llama.abstract_model` (the same graphdef and abstract state), built
     ~5× faster: under ``eval_shape`` every ``nnx.Rngs`` draw updates its counter variable, and
     flax 0.12's ``Variable.set_value`` then reads ``tracer.sharding``, whose error message walks
     the whole trace so far (quadratic: 1.3 of 1.9 s for SmolLM2-135M). Shapes do not depend on
     the keys, so a fixed key does. Any failure falls back to ``llama.abstract_model``."""
     try:
-        model = nnx.eval_shape(lambda: llama.Transformer(cfg, fmt=fmt, rngs=_FixedKeys()))
+        model = nnx.eval_shape(lambda: llama.Transformer(cfg, fmt=fmt, rngs=FixedKeys()))
         return nnx.split(model)
     except Exception:  # a model whose construction needs more of nnx.Rngs
         return llama.abstract_model(cfg, fmt)
 
 
-def _state(abstract, got: dict):
+def state_of(abstract, got: dict):
     """The ``nnx.State`` of ``abstract`` holding the arrays ``{param path: array}``."""
     params = nnx.State(abstract)
     nnx.replace_by_pure_dict(params, _unflat(got))
     return params
 
 
-def _name(path):
+def param_path_name(path):
     return ".".join(str(p) for p in path)

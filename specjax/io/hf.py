@@ -13,10 +13,10 @@ from specjax.io.files import read_utf8
 from specjax.models import llama
 from specjax.models.config import CheckpointError, ModelConfig
 
-_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
 
-def _hf_tensor_path(name: str, cfg: ModelConfig, names: dict | None = None):
+def hf_tensor_path(name: str, cfg: ModelConfig, names: dict | None = None):
     """Map a HF tensor name to ``(specjax path, transpose)`` by the weight table
     (:data:`specjax.models.weights.WEIGHTS`; a part of a fused weight at the part's path);
     ``None`` for tensors to skip (RoPE buffers, the copy of a tied head). ``names``:
@@ -36,7 +36,7 @@ def _hf_tensor_path(name: str, cfg: ModelConfig, names: dict | None = None):
     return path, tensor.hf_transpose
 
 
-def _safetensor_files(path: str) -> list[str]:
+def safetensor_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
         with open(index) as f:
@@ -49,7 +49,7 @@ def _safetensor_files(path: str) -> list[str]:
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if files:
         return files
-    pickles = [f for f in os.listdir(path) if f.endswith(_PICKLE_SUFFIXES)]
+    pickles = [f for f in os.listdir(path) if f.endswith(PICKLE_SUFFIXES)]
     if pickles:
         raise CheckpointError(
             f"{path} holds only pickle weight files ({', '.join(sorted(pickles))}); specjax never unpickles "
@@ -64,11 +64,11 @@ def iter_hf_tensors(path: str, cfg: ModelConfig):
     from safetensors import safe_open
 
     names = llama.checkpoint_names(cfg, "hf")
-    for file in _safetensor_files(path):
+    for file in safetensor_files(path):
         try:
             with safe_open(file, framework="flax") as f:
                 for name in f.keys():
-                    target = _hf_tensor_path(name, cfg, names)
+                    target = hf_tensor_path(name, cfg, names)
                     if target is None:
                         continue
                     p, tr = target
@@ -83,7 +83,7 @@ def iter_hf_tensors(path: str, cfg: ModelConfig):
                                   f"({' '.join(str(e).split())}); re-download or re-save the checkpoint") from None
 
 
-def _resolve_hub(model_id: str) -> str:
+def resolve_hub(model_id: str) -> str:
     """Download (or find in the local cache) a hub checkpoint; clear error when offline."""
     try:
         from huggingface_hub import snapshot_download
@@ -100,7 +100,7 @@ def _resolve_hub(model_id: str) -> str:
         ) from None
 
 
-def _read_hf_config(cfg_file: str) -> ModelConfig:
+def read_hf_config(cfg_file: str) -> ModelConfig:
     """``ModelConfig`` from a ``config.json``; a file that is not UTF-8 JSON, not an object, or
     lacks / mistypes a key raises :class:`CheckpointError` naming the file (and the line)."""
     text = read_utf8(cfg_file, CheckpointError, "re-download or re-save the checkpoint")
@@ -121,7 +121,7 @@ def _read_hf_config(cfg_file: str) -> ModelConfig:
         raise CheckpointError(f"{cfg_file}: a value has the wrong type or range ({e})") from None
 
 
-def _looks_like_hub_id(s: str) -> bool:
+def looks_like_hub_id(s: str) -> bool:
     parts = str(s).split("/")
     return len(parts) == 2 and all(parts) and not str(s).startswith((".", "/", "~"))
 

@@ -26,10 +26,10 @@ from flax import nnx
 from specjax.models.config import CheckpointError, ModelConfig, UnsupportedModelError
 from specjax.io import convcache
 from specjax.io.assemble import (  # noqa: F401  (re-exported: loading is the public module)
-    _FixedKeys, _abstract_model, _name, _state, assemble_params,
+    FixedKeys, abstract_model_of, param_path_name, state_of, assemble_params,
 )
 from specjax.io.hf import (  # noqa: F401  (re-exported)
-    _PICKLE_SUFFIXES, _hf_tensor_path, _looks_like_hub_id, _read_hf_config, _resolve_hub, _safetensor_files,
+    PICKLE_SUFFIXES, hf_tensor_path, looks_like_hub_id, read_hf_config, resolve_hub, safetensor_files,
     hf_config_dict, iter_hf_tensors,
 )
 from specjax.io.tokenizer import Tokenizer
@@ -178,22 +178,22 @@ def _load_hf_dir(path_or_id, path: str, fmt: str, dtype, place):
     """:func:`load_model`'s Hugging Face directory (a hub id: downloaded first): ``(cfg, graphdef,
     params, tokenizer, name, cache, path, hit)`` as :func:`_load_gguf`, ``path`` the directory."""
     if not os.path.exists(path):
-        if _looks_like_hub_id(path_or_id):
-            path = _resolve_hub(path_or_id)
+        if looks_like_hub_id(path_or_id):
+            path = resolve_hub(path_or_id)
         else:
             raise CheckpointError(
                 f"model path not found: {path!r}; pass a .gguf file, a Hugging Face model directory, "
                 "or a hub id like 'HuggingFaceTB/SmolLM2-135M-Instruct'"
             )
     if os.path.isfile(path):
-        if path.endswith(_PICKLE_SUFFIXES):
+        if path.endswith(PICKLE_SUFFIXES):
             raise CheckpointError(f"{path} is a pickle file; specjax never unpickles. Convert it to safetensors.")
         raise CheckpointError(f"{path} is a file but not .gguf; pass the model directory instead")
     cfg_file = os.path.join(path, "config.json")
     if not os.path.exists(cfg_file):
         raise CheckpointError(f"{path} has no config.json, so it is not a model directory; pass a .gguf file, a "
                               "Hugging Face model directory (config.json + model.safetensors) or a hub id")
-    cfg = _read_hf_config(cfg_file)
+    cfg = read_hf_config(cfg_file)
     name = os.path.basename(os.path.normpath(path))
     cache = convcache.for_source(path) if place is None else None
     hit = _cached_params(cache, fmt) if cache is not None else None
@@ -289,8 +289,8 @@ def _cached_params(cache, fmt: str):
         cfg = _config_from_json(meta["config"])
         if repr(cfg) != meta["config_repr"]:
             raise ValueError("the stored config does not read back as written")
-        graphdef, abstract = _abstract_model(cfg, fmt)
-        expected = {_name(p): (p, v) for p, v in _flat(nnx.to_pure_dict(abstract))}
+        graphdef, abstract = abstract_model_of(cfg, fmt)
+        expected = {param_path_name(p): (p, v) for p, v in _flat(nnx.to_pure_dict(abstract))}
         missing, extra = sorted(set(expected) - set(arrays)), sorted(set(arrays) - set(expected))
         if missing or extra:
             raise ValueError(f"tensors missing: {missing[:4]}, unexpected: {extra[:4]}")
@@ -305,11 +305,11 @@ def _cached_params(cache, fmt: str):
         return None
     _, arrays = hit
     got = {p: jax.device_put(jnp.asarray(arrays[n], dtype=v.dtype)) for n, (p, v) in box["expected"].items()}
-    return box["cfg"], box["graphdef"], _state(box["abstract"], got)
+    return box["cfg"], box["graphdef"], state_of(box["abstract"], got)
 
 
 def _store_params(cache, model: Model, source: str) -> None:
-    arrays = {_name(p): a for p, a in _flat(nnx.to_pure_dict(model.params))}
+    arrays = {param_path_name(p): a for p, a in _flat(nnx.to_pure_dict(model.params))}
     cache.put_params(model.dtype, arrays, {"config": _config_to_json(model.config),
                                            "config_repr": repr(model.config), "name": model.name,
                                            "source": source})
@@ -337,9 +337,9 @@ def load_tokenizer(path_or_id: str | None = None) -> Tokenizer | None:
         tok = cache.get_tokenizer() if cache is not None else None
         return tok if tok is not None else _tokenizer_from_gguf(gguf_loader.open_gguf(path), cache)
     if not os.path.exists(path):
-        if not _looks_like_hub_id(path_or_id):
+        if not looks_like_hub_id(path_or_id):
             raise CheckpointError(f"model path not found: {path!r}")
-        path = _resolve_hub(path_or_id)
+        path = resolve_hub(path_or_id)
     return Tokenizer.from_dir(path) if os.path.exists(os.path.join(path, "tokenizer.json")) else None
 
 
@@ -361,7 +361,7 @@ def source_identity(path_or_id: str | None = None) -> dict:
     import hashlib
 
     path_or_id, path = _local_path(path_or_id)
-    if not os.path.exists(path) and _looks_like_hub_id(path_or_id):
+    if not os.path.exists(path) and looks_like_hub_id(path_or_id):
         try:
             from huggingface_hub import try_to_load_from_cache
 
@@ -450,7 +450,7 @@ def save_model(model: Model, path: str, extra_metadata: dict | None = None) -> s
         for t, a in llama.split(spec, cfg, np.asarray(arr)):  # a fused weight: its parts
             name = t.checkpoint_name("hf", p[1] if spec.per_layer else None)
             if name is None:
-                raise CheckpointError(f"weight {_name(p)} has no Hugging Face name; it cannot be saved as safetensors")
+                raise CheckpointError(f"weight {param_path_name(p)} has no Hugging Face name; it cannot be saved as safetensors")
             tensors[name] = np.ascontiguousarray(a.T) if t.hf_transpose else np.ascontiguousarray(a)
     meta = {"format": "pt"}
     meta.update({k: str(v) for k, v in (extra_metadata or {}).items()})

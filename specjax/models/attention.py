@@ -1,10 +1,10 @@
 """Attention and the KV cache: :class:`KVCache` (per-row lengths), causal and tree attention over
-the cache in batch-invariant blocks (:func:`_attention`; trees: :func:`_tree_visible` in
+the cache in batch-invariant blocks (:func:`cache_attention`; trees: :func:`_tree_visible` in
 float32, the per-query window :func:`_tree_window` in the reduced formats), and the compaction
 of an accepted tree path (:func:`compact_tree_cache`).
 
 The decoder block (:func:`specjax.models.llama.decoder_block`, which gives the tree-mask
-contract) writes its K/V and calls :func:`_attention`; every public name here is re-exported by
+contract) writes its K/V and calls :func:`cache_attention`; every public name here is re-exported by
 :mod:`specjax.models.llama`.
 """
 
@@ -113,7 +113,7 @@ def kv_cache_dtype(weight_format: str) -> str:
     return "float32"
 
 
-def _write(cache_arr, new, starts):
+def write_kv(cache_arr, new, starts):
     """Write ``new [B, KV, T, hd]`` into ``cache_arr [B, KV, S, hd]`` at per-row slot ``starts [B]``."""
     return jax.vmap(lambda c, u, s: jax.lax.dynamic_update_slice(c, u.astype(c.dtype), (0, s, 0)))(
         cache_arr, new, starts
@@ -125,7 +125,7 @@ ATTENTION_BLOCK = 64  # cache slots per attention block (a multiple of the Decod
 
 def _tree_visible(tree_mask, start, groups: int, nb: int, blk: int):
     """Tree attention's visibility in the physical cache layout (the float32 path of
-    :func:`_attention`): bool ``[B, 1, NB, G·T, blk]``, query j (row ``g·T + j``) sees slot s iff
+    :func:`cache_attention`): bool ``[B, 1, NB, G·T, blk]``, query j (row ``g·T + j``) sees slot s iff
     ``s < start`` (the committed prefix) or ``0 <= s - start < T`` and ``tree_mask[:, j, s - start]``.
 
     For a chain (``tree_mask`` lower triangular) this is exactly the causal ``s <= start + j``, so
@@ -147,7 +147,7 @@ def _tree_visible(tree_mask, start, groups: int, nb: int, blk: int):
 
 
 class _TreeWindow:
-    """The blocks of :func:`_attention` that hold new tokens, per query, in the causal layout of
+    """The blocks of :func:`cache_attention` that hold new tokens, per query, in the causal layout of
     that query's path (built by :func:`_tree_window`; the reduced-format tree path).
 
     ``outside [B, NB, blk]``: prefix slots NOT in the window (the shared computation's mask);
@@ -246,7 +246,7 @@ def _tree_window(scores, v_cache, positions, tree_mask, blk: int, dt) -> _TreeWi
     return _TreeWindow(outside, sw, vw, w0, (b, t, g))
 
 
-def _attention(q, k_cache, v_cache, positions, cfg: ModelConfig, tree_mask=None):
+def cache_attention(q, k_cache, v_cache, positions, cfg: ModelConfig, tree_mask=None):
     """Causal GQA attention of ``q [B, T, H, hd]`` over this row's cache ``[B, KV, S, hd]``:
     the query at position t sees slots ≤ t. Returns float32 ``[B, T, H·hd]``.
 

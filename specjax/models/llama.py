@@ -41,14 +41,14 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from specjax.models.attention import (  # noqa: F401  (the cache and attention, re-exported)
-    ATTENTION_BLOCK, KVCache, _attention, _write, compact_tree_cache, kv_cache_dtype,
+    ATTENTION_BLOCK, KVCache, cache_attention, write_kv, compact_tree_cache, kv_cache_dtype,
 )
 from specjax.models.config import ModelConfig
 from specjax.models.ops import (  # noqa: F401  (the numerics, re-exported)
     dense, matmul, pairwise_max, pairwise_sum, quantize_rows, rms_norm, rope,
 )
 from specjax.models.params import (  # noqa: F401  (the parameters, re-exported)
-    Block, Transformer, _arrays, _p, abstract_model, flatten_params, init_model, param_bytes, unflatten_params,
+    Block, Transformer, module_arrays, param_or_none, abstract_model, flatten_params, init_model, param_bytes, unflatten_params,
     weight_format,
 )
 from specjax.models.weights import (  # noqa: F401  (the table's functions, re-exported)
@@ -114,9 +114,9 @@ def decoder_block(
     k, v = qkv[:, :, :, g], qkv[:, :, :, g + 1]  # [B, T, KV, hd]
     q = rope(q, positions, inv_freq)
     k = rope(k, positions, inv_freq)
-    kc = _write(k_cache, k.transpose(0, 2, 1, 3), starts)
-    vc = _write(v_cache, v.transpose(0, 2, 1, 3), starts)
-    a = _attention(q if p["w_qkv"].dtype == jnp.float32 else q.astype(jnp.bfloat16), kc, vc, positions, cfg,
+    kc = write_kv(k_cache, k.transpose(0, 2, 1, 3), starts)
+    vc = write_kv(v_cache, v.transpose(0, 2, 1, 3), starts)
+    a = cache_attention(q if p["w_qkv"].dtype == jnp.float32 else q.astype(jnp.bfloat16), kc, vc, positions, cfg,
                    tree_mask=tree_mask)
     h = h + lin(a, "wo", "bo")
     x = rms_norm(h, p["mlp_norm"], cfg.rms_norm_eps)
@@ -193,7 +193,7 @@ def run_blocks(graphdef, params, tokens, positions, cache, cfg, tree_mask=None, 
     h = embed_tokens(model, tokens)
     new_k, new_v, picked = [], [], {}
     for i, layer in enumerate(model.layers):
-        h, kc, vc = decoder_block(_arrays(layer), h, positions, cache.k[i], cache.v[i], cfg, inv_freq=inv_freq,
+        h, kc, vc = decoder_block(module_arrays(layer), h, positions, cache.k[i], cache.v[i], cfg, inv_freq=inv_freq,
                                   tree_mask=tree_mask)
         new_k.append(kc)
         new_v.append(vc)
@@ -209,8 +209,8 @@ def lm_head(graphdef, params, hidden: Float[Array, "... hidden"], cfg: ModelConf
     model = nnx.merge(graphdef, params)
     if cfg.tie_word_embeddings:
         # contracting the untransposed [V, D] embedding: `embed.T` would copy it every call
-        return matmul(hidden, model.embed[...], _p(model, "embed_scale"), transposed=True)
-    return matmul(hidden, model.lm_head[...], _p(model, "lm_head_scale"))
+        return matmul(hidden, model.embed[...], param_or_none(model, "embed_scale"), transposed=True)
+    return matmul(hidden, model.lm_head[...], param_or_none(model, "lm_head_scale"))
 
 
 def embed_tokens(model, tokens):
@@ -221,7 +221,7 @@ def embed_tokens(model, tokens):
         # whole [V, D] table to float32 on every call.
         e = jax.lax.optimization_barrier(e)
     e = e.astype(jnp.float32)
-    scale = _p(model, "embed_scale")
+    scale = param_or_none(model, "embed_scale")
     if scale is not None:
         e = e * jnp.take(scale, tokens, axis=0)[..., None]
     return e

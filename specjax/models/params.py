@@ -87,12 +87,12 @@ def init_model(cfg: ModelConfig, seed: int = 0, dtype="float32"):
     return nnx.split(Transformer(cfg, fmt=_fmt(dtype), rngs=nnx.Rngs(seed)))
 
 
-def _p(module, name):
+def param_or_none(module, name):
     """A parameter's value, or None if the module does not have it."""
     return module.__dict__[name][...] if name in module.__dict__ else None
 
 
-def _arrays(module) -> dict:
+def module_arrays(module) -> dict:
     """``{name: array}`` of a module's own parameters (a block's weights and int8 scales)."""
     return {k: v[...] for k, v in vars(module).items() if isinstance(v, nnx.Param)}
 
