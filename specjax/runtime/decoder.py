@@ -137,10 +137,9 @@ def shared_prompts(prompts) -> tuple[list[list[int]], np.ndarray, np.ndarray] | 
     if width >= len(prompts):
         return None
     first = np.zeros(width, np.int32)
-    for row, k in reversed(list(enumerate(source.tolist()))):
-        first[k] = row
-    distinct = [list(k) for k in index] + [list(index)[0]] * (width - u)
-    return [list(p) for p in distinct], source, first
+    first[:u] = np.unique(source, return_index=True)[1]  # each distinct prompt's first row (ids 0..u-1)
+    keys = list(index)
+    return [list(k) for k in keys + keys[:1] * (width - u)], source, first
 
 
 def validate_batch(prompts, max_new_tokens, gamma, drafter, ctx_limit):
