@@ -250,7 +250,8 @@ def generate_text(
     """Generate text for each prompt. Returns one dict per prompt:
     ``{"text", "tokens", "stats"}`` (and ``"logprobs"`` when asked) where ``stats`` has
     ``new_tokens``, ``prefill_s``, ``decode_s``, ``compile_s`` (seconds, for the prompt's
-    batch), ``tokens_per_s`` (the prompt's new tokens ÷ its batch's decode seconds) and the
+    batch), ``tokens_per_s`` (the prompt's new tokens ÷ its batch's decode seconds; ``None`` without
+    decode time) and the
     speculative counters of :class:`specjax.runtime.decoder.GenerationResult`.
 
     Args:
@@ -382,7 +383,7 @@ def _row_result(tok, stop, r, j: int) -> dict:
     toks = r.tokens[j]
     tps = RunStats.from_batch([dict(r.stats[j], new_tokens=len(toks))], decode_s=r.decode_s).tokens_per_s
     st = dict(r.stats[j], prefill_s=r.prefill_s, decode_s=r.decode_s, compile_s=r.compile_s,
-              tokens_per_s=0.0 if tps is None else tps, batch_size=len(r.tokens))
+              tokens_per_s=tps, batch_size=len(r.tokens))
     text = TextStream(tok, stop)
     text.feed(toks)
     out = {"text": text.text(final=True), "tokens": toks, "stats": st}

@@ -379,8 +379,8 @@ def test_fused_features_ttt_learns_and_time_budget_resume_is_bitwise(tiny_setup)
                           "--data-dir", data, "--steps", "1", "--feature-layers", "1"))
 
 
-def test_evaluate_without_eval_sequences_reports_zero():
+def test_evaluate_without_eval_sequences_reports_no_data():
     from specjax.train.loop import evaluate
 
     res = evaluate(None, None, None, [], {}, [], None, 8, 4, 2)
-    assert res["alpha"] == 0 and res["alpha_by_position"] == [0.0, 0.0] and res["by_category"] == {}
+    assert res["alpha"] is None and res["alpha_by_position"] == [None, None] and res["by_category"] == {}

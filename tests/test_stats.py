@@ -18,7 +18,41 @@ def test_merge_and_derived_figures():
     assert ar.acceptance_rate is None and ar.mean_accepted_tokens == 1.0 and ar.tokens_per_s is None
     assert RunStats().mean_accepted_tokens is None and c.summary()["accept_hist"] == [3, 2, 1, 0, 0]
     # per position: 6 rounds, 3 accepted >= 1 (α_1 = 3/6), 1 of those >= 2 (α_2 = 1/3), none >= 3
-    assert c.acceptance_by_position == [0.5, 1 / 3, 0.0, 0.0] and ar.acceptance_by_position is None
+    # (α_3 = 0/1); no round reached position 4 (no data: None)
+    assert c.acceptance_by_position == [0.5, 1 / 3, 0.0, None] and ar.acceptance_by_position is None
+
+
+def test_no_data_is_none_everywhere():
+    """One convention for "no data" (issue 27): ``None`` / JSON null, never 0.0 or NaN — in the
+    derived figures, a row without a target call, a batch without decode time, the tables."""
+    import json
+    import math
+
+    import numpy as np
+
+    from specjax.runtime.results import GenerationResult, RowStats, row_stats
+    from specjax.runtime.stats import difference, ratio
+    from specjax.train.benchmark import bench_table
+
+    assert ratio(3, 2) == 1.5 and ratio(0, 2) == 0.0
+    assert all(ratio(a, b) is None for a, b in [(1, 0), (None, 1), (1, None), (math.nan, 1), (1, math.inf)])
+    assert difference(3, 1) == 2.0 and difference(None, 1) is None and difference(1, math.nan) is None
+    empty = RunStats()
+    assert empty.mean_accepted_tokens is None and empty.tokens_per_s is None and empty.acceptance_rate is None
+    # a row cut before its first token (a stop string completed by nothing kept): no target call
+    s = row_stats(np.zeros(3, np.int64), np.zeros(3, np.int64), 0, True)
+    assert s["target_calls"] == 0
+    rs = RowStats(**s, mean_accepted_tokens=ratio(0, s["target_calls"]), acceptance_rate=None, finish_reason="stop")
+    assert rs["mean_accepted_tokens"] is None
+    assert GenerationResult([[]], [rs], 0.0, 0.0, 0.0).tokens_per_s is None
+    spec = RunStats.from_batch([{"new_tokens": 6, "target_calls": 3, "draft_calls": 3, "drafted_tokens": 6,
+                                 "accepted_tokens": 3, "checked_tokens": 6, "accept_hist": [1, 1, 1]}], decode_s=1.0)
+    ar = RunStats.from_batch([{"new_tokens": 6, "target_calls": 6, "accept_hist": [6]}], decode_s=0.0)
+    table = bench_table({"ar": ar, "spec": spec}, {"ar": {"x": ar}, "spec": {"x": spec}})
+    assert table["ar"]["tokens_per_s"] is None and table["ar"]["alpha"] is None
+    assert table["spec"]["speedup"] is None and table["spec"]["by_category"]["x"]["speedup"] is None
+    assert table["spec"]["alpha"] == 0.5 and table["spec"]["tokens_per_call"] == 2.0
+    json.dumps(table, allow_nan=False)  # valid JSON: no NaN anywhere
 
 
 def test_decode_settings_validate_and_derive():

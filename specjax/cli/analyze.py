@@ -276,7 +276,7 @@ def _plot(rep: dict, path: str) -> str:
                     if rep["optimal_gamma"] is not None else [])
         return analysis.plot_speedup(path, alphas, cs, gm, v, measured)
     a, c = rep["alpha"]["alpha"], rep["c"]
-    a = a if math.isfinite(a) else 0.0
+    a = 0.0 if a is None else a  # no position scored (no data): drawn at α 0
     alphas = sorted({round(x, 3) for x in (0.2, 0.5, 0.8, a)})
     cs = sorted({round(x, 4) for x in (0.02, 0.1, c)})
     measured = [{"gamma": m["gamma"], "speedup": m["measured_speedup"], "c": round(c, 4), "label": "measured"}

@@ -144,12 +144,17 @@ def _printers(args, prompts: list[dict], stream: bool, drafter):
         st = o["stats"]
         extra = ""
         if drafter is not None:
-            acc = "–" if st["acceptance_rate"] is None else f"{st['acceptance_rate']:.2f}"
-            extra = f", {st['mean_accepted_tokens']:.2f} tokens/target call, acceptance {acc}"
-        print(f"[{st['new_tokens']} tokens, {st['tokens_per_s']:.1f} tokens/s{extra}, "
+            extra = (f", {_num(st['mean_accepted_tokens'], 2)} tokens/target call, "
+                     f"acceptance {_num(st['acceptance_rate'], 2)}")
+        print(f"[{st['new_tokens']} tokens, {_num(st['tokens_per_s'], 1)} tokens/s{extra}, "
               f"finish: {st['finish_reason']}]", file=sys.stderr, flush=True)
 
     return on_text, on_done
+
+
+def _num(x: float | None, digits: int) -> str:
+    """A statistic for the summary line; "–" for no data (``None``)."""
+    return "–" if x is None else f"{x:.{digits}f}"
 
 
 def auto_gamma(target, drafter, prompts, s: dict, args, chat: bool, progress) -> int | None:
@@ -174,7 +179,7 @@ def auto_gamma(target, drafter, prompts, s: dict, args, chat: bool, progress) ->
     def src(x):
         return f"cached {x['created']}" if x["cached"] else "measured now"
     alpha = (f"α = {rep['alpha']:.2f}" if not rep.get("alpha_by_position") else
-             "α by position " + " ".join(f"{x:.2f}" for x in rep["alpha_by_position"][:gamma]))
+             "α by position " + " ".join(_num(x, 2) for x in rep["alpha_by_position"][:gamma]))
     why = (f"{alpha} ({src(rep['alpha_source'])}), c(γ) = {rep['c'][g]:.3f} and v(γ) = "
            f"{rep['v'][g]:.2f} at batch {batch} ({src(rep['costs_source'])}): predicted "
            f"{rep['predicted_speedup']:.2f}× over autoregressive")

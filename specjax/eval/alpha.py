@@ -127,8 +127,10 @@ def measure_alpha(
       dict: ``alpha`` (pooled over positions), ``positions``, ``coverage`` (fraction of
       positions with a proposal), ``by_category`` ``{cat: {alpha, positions, prompts}}``,
       ``per_prompt`` (``alpha``, ``positions``, ``category``, ``question_id``),
-      ``betas`` (per prompt, per position; NaN where nothing was proposed), ``method``; with
-      ``slots`` > 1 also ``alpha_by_position`` (slots 1..``slots``; slot 1's is ``alpha``).
+      ``betas`` (per prompt, per position; NaN where nothing was proposed: a numeric mask, written
+      to JSON as ``null``), ``method``; with
+      ``slots`` > 1 also ``alpha_by_position`` (slots 1..``slots``; slot 1's is ``alpha``). Every
+      α is ``None`` where no position was scored (no data: :mod:`specjax.runtime.stats`).
     Raises:
       ValueError: continuations not one per prompt; ``slots`` > 1 for a drafter that is a whole
         causal LM or that drafts with more than one pass.
@@ -159,11 +161,11 @@ def measure_alpha(
     return out
 
 
-def _by_position(betas: Sequence[np.ndarray], slots: int) -> list[float]:
+def _by_position(betas: Sequence[np.ndarray], slots: int) -> list[float | None]:
     """Per-slot α: the mean β of each column of the ``[n, slots]`` arrays ``betas`` over the positions
-    scored (NaN-free; 0.0 for a slot never scored)."""
+    scored (``None`` for a slot never scored)."""
     allb = np.clip(np.concatenate(betas), 0.0, 1.0) if len(betas) else np.zeros((0, slots))
-    return [float(np.nanmean(c)) if np.isfinite(c).any() else 0.0 for c in allb.T]
+    return [_alpha_of([c])["alpha"] for c in allb.T]
 
 
 def _betas_teacher_forced(target, drafter, tok, starts, counts, width, sp_kw, batch_size, progress):
@@ -216,7 +218,7 @@ def _alpha_of(betas: Sequence[np.ndarray]) -> dict:
     """Pooled α over the positions with a proposal (non-NaN β) of ``betas``."""
     a = np.concatenate(betas) if len(betas) else np.zeros(0)
     k = a[~np.isnan(a)]
-    return {"alpha": float(k.mean()) if k.size else float("nan"), "positions": int(k.size), "all": int(a.size)}
+    return {"alpha": float(k.mean()) if k.size else None, "positions": int(k.size), "all": int(a.size)}
 
 
 def _alpha_summary(prompts, betas) -> dict:

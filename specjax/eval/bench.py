@@ -47,7 +47,7 @@ from specjax.eval.bench_io import (  # noqa: F401  (re-exported: bench is the pu
     split_categories, write_json,
 )
 from specjax.eval.bench_summary import (  # noqa: F401  (re-exported, shared with benchmarks/)
-    SUMMARY_FIELDS, MethodSpec, safe_ratio, aggregate, baselines, method_name, summarize,
+    SUMMARY_FIELDS, MethodSpec, aggregate, baselines, method_name, summarize,
 )
 from specjax.runtime.settings import DecodeSettings
 

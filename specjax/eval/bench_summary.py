@@ -6,10 +6,9 @@ against each method's baseline."""
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Iterable, Sequence
 
-from specjax.runtime.stats import RunStats
+from specjax.runtime.stats import RunStats, ratio
 
 SUMMARY_FIELDS = ("tokens_per_s", "speedup", "speedup_decode_time", "mean_accepted_tokens", "acceptance_rate",
                   "new_tokens", "target_calls", "accepted_tokens", "checked_tokens", "prompts", "decode_s",
@@ -66,12 +65,6 @@ def aggregate(batches: Iterable[dict], spec: MethodSpec) -> dict:
     }
 
 
-def safe_ratio(a, b):
-    if a is None or b is None or not b or (isinstance(a, float) and math.isnan(a)):
-        return None
-    return a / b
-
-
 def summarize(specs: Sequence[MethodSpec], batch_records: dict[str, list[dict]],
               baseline_of: dict[str, str]) -> dict:
     """``{"<method>": {"drafter", "gamma", "dtype", "baseline", "overall", "per_category",
@@ -102,8 +95,8 @@ def summarize(specs: Sequence[MethodSpec], batch_records: dict[str, list[dict]],
         for mine, ref in pairs:
             if ref is None:
                 continue
-            mine["speedup"] = safe_ratio(mine["tokens_per_s"], ref["tokens_per_s"])
-            mine["speedup_decode_time"] = safe_ratio(ref["decode_s"], mine["decode_s"])
+            mine["speedup"] = ratio(mine["tokens_per_s"], ref["tokens_per_s"])
+            mine["speedup_decode_time"] = ratio(ref["decode_s"], mine["decode_s"])
     return out
 
 

@@ -16,6 +16,7 @@ from specjax.eval.common import sampling_key, prompt_records
 from specjax.eval.costs import measure_costs, tree_key
 from specjax.eval.speedup import autoregressive_run, best_row, compare, measure_speedup, theory_rows
 from specjax.runtime.settings import DecodeSettings
+from specjax.runtime.stats import difference, ratio
 
 
 def analyze_pair(
@@ -82,7 +83,7 @@ def analyze_pair(
     costs = measure_costs(target, drafter, gammas, batch=batch, prompt_len=plen,
                           max_new_tokens=settings.max_new_tokens, repeats=timing_repeats, measure_gammas=mg,
                           trees=trees, **sp_kw)
-    a = alpha["alpha"] if np.isfinite(alpha["alpha"]) else 0.0
+    a = 0.0 if alpha["alpha"] is None else alpha["alpha"]  # no position scored: the theory's α 0
     rows = theory_rows(a, gammas, costs["c"], costs["v"], by_pos)
     best = best_row(rows)
     say(f"[4/5] α = {a:.4f}, c(γ) = {costs['c'][best['gamma'] - 1]:.4f}: recommended γ = {best['gamma']} "
@@ -174,10 +175,10 @@ def _tree_measured(run: dict, entry: dict, settings: DecodeSettings) -> dict:
     ``accept_hist`` (rounds by accepted depth 0..D), speedup and tokens/s."""
     spec = run["spec"]
     tau = spec["mean_accepted_tokens"]
-    ms = run.get("speedup", float("nan"))
+    ms = run.get("speedup")
     return {
         "mean_accepted_tokens": tau,
-        "tokens_discrepancy": tau - entry["expected_tokens"],
+        "tokens_discrepancy": difference(tau, entry["expected_tokens"]),
         "new_tokens": spec["new_tokens"],
         "target_calls": spec["target_calls"],
         "drafted_tokens": spec["drafted_tokens"],
@@ -185,10 +186,10 @@ def _tree_measured(run: dict, entry: dict, settings: DecodeSettings) -> dict:
         "acceptance_rate": spec["acceptance_rate"],
         "accept_hist": spec["accept_hist"],
         "measured_speedup": ms,
-        "predicted_speedup_from_measured_tokens": tau / entry["cost"],
-        "speedup_relative_error": (entry["predicted_speedup"] - ms) / ms if ms and np.isfinite(ms) else float("nan"),
+        "predicted_speedup_from_measured_tokens": ratio(tau, entry["cost"]),
+        "speedup_relative_error": ratio(difference(entry["predicted_speedup"], ms), ms),
         "tokens_per_s_spec": spec["tokens_per_s"],
-        "tokens_per_s_ar": run["ar"]["tokens_per_s"] if "ar" in run else float("nan"),
+        "tokens_per_s_ar": run["ar"]["tokens_per_s"] if "ar" in run else None,
         "ar_tokens_match": run["tokens"] == run["ar_tokens"] if settings.temperature == 0 and "ar_tokens" in run
         else None,
     }
@@ -250,7 +251,7 @@ def _measured_entry(a: float, g: int, run: dict, row: dict, alpha: dict, setting
     cmp = compare(a, g, run, row, coverage=alpha["coverage"])
     by_cat = {}
     for cat, ca in alpha["by_category"].items():
-        ac = ca["alpha"] if np.isfinite(ca["alpha"]) else 0.0
+        ac = 0.0 if ca["alpha"] is None else ca["alpha"]
         by_cat[cat] = {"alpha": ca["alpha"], "expected_tokens": float(analysis.expected_tokens(ac, g)),
                        "mean_accepted_tokens": run["spec"]["by_category"].get(cat, {}).get("mean_accepted_tokens")}
     cmp["by_category"] = by_cat

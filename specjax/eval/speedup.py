@@ -13,7 +13,7 @@ from typing import Sequence
 import numpy as np
 
 from specjax.eval import theory as analysis
-from specjax.runtime.stats import RunStats
+from specjax.runtime.stats import RunStats, difference, ratio
 from specjax.runtime.decoder import Decoder
 from specjax.runtime.settings import DecodeSettings
 
@@ -58,22 +58,18 @@ def _summarise(prompts, results, times, label):
         "new_tokens": total.new_tokens,
         "target_calls": total.target_calls,
         "decode_s": total.decode_s,
-        "tokens_per_s": _or(total.tokens_per_s, float("nan")),
-        "mean_accepted_tokens": _or(total.mean_accepted_tokens, 0.0),
+        "tokens_per_s": total.tokens_per_s,
+        "mean_accepted_tokens": total.mean_accepted_tokens,
         "acceptance_rate": total.acceptance_rate,
         "accepted_tokens": total.accepted_tokens,
         "checked_tokens": total.checked_tokens,
         "drafted_tokens": total.drafted_tokens,
         "per_prompt": per,
-        "by_category": {c: {"mean_accepted_tokens": _or(v.mean_accepted_tokens, 0.0), "new_tokens": v.new_tokens}
+        "by_category": {c: {"mean_accepted_tokens": v.mean_accepted_tokens, "new_tokens": v.new_tokens}
                         for c, v in by_cat.items()},
         "accept_hist": list(total.accept_hist),
     }
     return out, toks
-
-
-def _or(x, default):
-    return default if x is None else x
 
 
 def measure_speedup(
@@ -106,8 +102,8 @@ def measure_speedup(
       dict: ``gamma``, ``spec`` and ``ar`` summaries (``new_tokens``, ``target_calls``,
       ``decode_s`` (seconds), ``tokens_per_s``, ``mean_accepted_tokens`` = new tokens ÷ target
       calls, pooled; ``acceptance_rate`` = accepted ÷ checked, pooled (``None`` for AR or nothing checked);
-      ``accept_hist``; ``by_category``; ``per_prompt``), ``speedup`` (spec ÷ AR tokens/s, NaN
-      without AR), ``tokens`` (speculative new tokens per prompt), ``ar_tokens``.
+      ``accept_hist``; ``by_category``; ``per_prompt``), ``speedup`` (spec ÷ AR tokens/s, ``None``
+      without AR: no data), ``tokens`` (speculative new tokens per prompt), ``ar_tokens``.
     """
     settings = DecodeSettings(batch_size=1) if settings is None else settings
     decoders = {} if decoders is None else decoders
@@ -126,9 +122,9 @@ def measure_speedup(
         ar, ar_tokens = _summarise(prompts, results["ar"], times["ar"], "autoregressive")
         out["ar"] = ar
         out["ar_tokens"] = ar_tokens
-        out["speedup"] = spec["tokens_per_s"] / ar["tokens_per_s"]
+        out["speedup"] = ratio(spec["tokens_per_s"], ar["tokens_per_s"])
     else:
-        out["speedup"] = float("nan")
+        out["speedup"] = None
     return out
 
 
@@ -222,17 +218,17 @@ def compare(alpha: float, gamma: int, run: dict, row: dict | None = None, covera
         "alpha": float(alpha),
         "expected_tokens": e,
         "mean_accepted_tokens": spec["mean_accepted_tokens"],
-        "tokens_discrepancy": spec["mean_accepted_tokens"] - e,
+        "tokens_discrepancy": difference(spec["mean_accepted_tokens"], e),
         "acceptance_rate": spec["acceptance_rate"],
-        "measured_speedup": run.get("speedup", float("nan")),
+        "measured_speedup": run.get("speedup"),
         "tokens_per_s_spec": spec["tokens_per_s"],
-        "tokens_per_s_ar": run["ar"]["tokens_per_s"] if "ar" in run else float("nan"),
+        "tokens_per_s_ar": run["ar"]["tokens_per_s"] if "ar" in run else None,
     }
     if row is not None:
         out["predicted_speedup"] = row["speedup"]
         out["predicted_speedup_textbook"] = row["speedup_textbook"]
         # the cost model alone: measured tokens per round over the predicted round cost
-        out["predicted_speedup_from_measured_tokens"] = spec["mean_accepted_tokens"] / row["cost"]
+        out["predicted_speedup_from_measured_tokens"] = ratio(spec["mean_accepted_tokens"], row["cost"])
         if coverage < 1.0:
             f = float(coverage)
             gamma_c = row["expected_tokens"] / row["speedup_textbook"] - 1.0  # textbook cost is γc + 1
@@ -240,5 +236,5 @@ def compare(alpha: float, gamma: int, run: dict, row: dict | None = None, covera
             out["coverage"] = f
             out["predicted_speedup_coverage_adjusted"] = (f * e + 1 - f) / (gamma_c + f * v_g + 1 - f)
         ms = out["measured_speedup"]
-        out["speedup_relative_error"] = (row["speedup"] - ms) / ms if ms and np.isfinite(ms) else float("nan")
+        out["speedup_relative_error"] = ratio(difference(row["speedup"], ms), ms)
     return out

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from specjax.runtime.loop import DecodeState
+from specjax.runtime.stats import ratio
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -23,8 +24,8 @@ class RowStats(Mapping):
     Counters count only the row's emitted tokens (:func:`row_stats`, the one definition):
     ``new_tokens``; ``target_calls`` (after prefill); ``draft_calls``; ``drafted_tokens``
     (offered); ``accepted_tokens``; ``checked_tokens`` (accepted + the rejected one per round);
-    ``mean_accepted_tokens`` τ = new tokens ÷ target calls (Spec-Bench's τ; 0.0 for a row with
-    no target call); ``acceptance_rate`` = accepted ÷ checked (``None`` without a drafter or when
+    ``mean_accepted_tokens`` τ = new tokens ÷ target calls (Spec-Bench's τ; ``None`` for a row
+    with no target call: no data, :mod:`specjax.runtime.stats`' one convention); ``acceptance_rate`` = accepted ÷ checked (``None`` without a drafter or when
     nothing was checked); ``accept_hist`` rounds by accepted drafts (index n = n accepted);
     ``finish_reason`` ``"eos"``, ``"stop"`` or ``"length"``."""
 
@@ -34,7 +35,7 @@ class RowStats(Mapping):
     drafted_tokens: int
     accepted_tokens: int
     checked_tokens: int
-    mean_accepted_tokens: float
+    mean_accepted_tokens: float | None
     acceptance_rate: float | None
     accept_hist: list
     finish_reason: str
@@ -62,7 +63,8 @@ class GenerationResult:
       for a stop string, up to the token that completed it).
     stats: per row, a :class:`RowStats` (typed fields, also read as a mapping by name):
       ``new_tokens``, ``target_calls``, ``draft_calls``, ``drafted_tokens``, ``accepted_tokens``,
-      ``checked_tokens``, ``mean_accepted_tokens`` (new tokens ÷ target calls, Spec-Bench's τ),
+      ``checked_tokens``, ``mean_accepted_tokens`` (new tokens ÷ target calls, Spec-Bench's τ;
+      ``None`` without a target call),
       ``acceptance_rate`` (accepted ÷ checked draft tokens; ``None`` without a drafter or when
       no draft token was checked), ``accept_hist``, ``finish_reason`` (``eos``, ``stop`` or
       ``length``). Every counter counts only the emitted tokens.
@@ -80,10 +82,9 @@ class GenerationResult:
     logprobs: list[list[dict]] | None = None
 
     @property
-    def tokens_per_s(self) -> float:
-        """All rows' new tokens ÷ decode seconds."""
-        n = sum(len(t) for t in self.tokens)
-        return n / self.decode_s if self.decode_s > 0 else float("nan")
+    def tokens_per_s(self) -> float | None:
+        """All rows' new tokens ÷ decode seconds (``None`` without decode time: no data)."""
+        return ratio(sum(len(t) for t in self.tokens), self.decode_s)
 
 
 def row_stats(info: np.ndarray, rounds: np.ndarray, keep: int, speculative: bool) -> dict:
@@ -147,9 +148,8 @@ def host_result(st: DecodeState, compile_s, prefill_s, decode_s, cuts=None, mode
             reason = "eos" if model_eos is None or new[-1] in model_eos else "stop"
         else:
             reason = "length"
-        calls, checked = s["target_calls"], s["checked_tokens"]
-        s.update(accept_hist=hist.tolist(), mean_accepted_tokens=len(new) / calls if calls else 0.0,
-                 acceptance_rate=s["accepted_tokens"] / checked if speculative and checked else None,
+        s.update(accept_hist=hist.tolist(), mean_accepted_tokens=ratio(len(new), s["target_calls"]),
+                 acceptance_rate=ratio(s["accepted_tokens"], s["checked_tokens"]) if speculative else None,
                  finish_reason=reason)
         out_stats.append(RowStats(**{k: s[k] for k in _STAT_KEYS}))
         if lp is not None:

@@ -8,15 +8,35 @@ Definitions (Leviathan et al. 2023 §3; Spec-Bench, Xia et al. 2024):
   checked: autoregressive decoding has no acceptance rate, nor has a run with nothing drafted);
 * ``tokens_per_s`` = new tokens ÷ decode seconds (prefill and compile excluded).
 
+"No data" has one convention everywhere (Python and JSON): ``None`` (JSON ``null``), never
+``0.0`` or NaN — τ without a target call, an acceptance rate with nothing checked, tokens/s
+without decode time, a speedup without its baseline. :func:`ratio` and :func:`difference` are the
+one division and subtraction that follow it.
+
 Per-row counters come from :func:`specjax.runtime.decoder.row_stats` (they count only
 emitted tokens); this module only adds them up. It lives in the runtime layer so that every
-layer above it (``specjax.api`` included) can use it; :mod:`specjax.runtime.stats` re-exports it.
+layer above it (``specjax.api`` included) can use it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Iterable, Mapping
+
+def ratio(a, b) -> float | None:
+    """``a ÷ b`` as a float, or ``None`` (no data) when either is ``None`` or not finite, or ``b`` is 0."""
+    if a is None or b is None or not b or not math.isfinite(a) or not math.isfinite(b):
+        return None
+    return float(a) / float(b)
+
+
+def difference(a, b) -> float | None:
+    """``a − b`` as a float, or ``None`` (no data) when either is ``None`` or not finite."""
+    if a is None or b is None or not math.isfinite(a) or not math.isfinite(b):
+        return None
+    return float(a) - float(b)
+
 
 COUNTERS = ("new_tokens", "target_calls", "draft_calls", "drafted_tokens", "accepted_tokens", "checked_tokens")
 
@@ -76,32 +96,30 @@ class RunStats:
     @property
     def mean_accepted_tokens(self) -> float | None:
         """τ: new tokens per target call (``None`` without target calls)."""
-        return self.new_tokens / self.target_calls if self.target_calls else None
+        return ratio(self.new_tokens, self.target_calls)
 
     @property
     def acceptance_rate(self) -> float | None:
         """Accepted ÷ checked draft tokens; ``None`` without a drafter or when no draft was checked (no data)."""
-        if not self.drafting or not self.checked_tokens:
-            return None
-        return self.accepted_tokens / self.checked_tokens
+        return ratio(self.accepted_tokens, self.checked_tokens) if self.drafting else None
 
     @property
-    def acceptance_by_position(self) -> list[float] | None:
+    def acceptance_by_position(self) -> list[float | None] | None:
         """Per-position acceptance ``[α_1, α_2, ...]`` from :attr:`accept_hist`: α_k = rounds with ≥ k
         drafts accepted ÷ rounds with ≥ k − 1 accepted (the chance draft k is accepted once drafts
         1..k−1 were; for a tree, depth k). ``None`` without a drafter. Rounds that offered fewer
         than k drafts (an EOS or length cut, a confidence stop) count as rejections at k, so the
-        later positions read slightly low."""
+        later positions read slightly low; a position no round reached is ``None``."""
         if not self.drafting:
             return None
         h = list(self.accept_hist)
         tail = [sum(h[k:]) for k in range(len(h))]  # rounds with >= k accepted
-        return [tail[k] / tail[k - 1] if tail[k - 1] else 0.0 for k in range(1, len(h))]
+        return [ratio(tail[k], tail[k - 1]) for k in range(1, len(h))]
 
     @property
     def tokens_per_s(self) -> float | None:
         """New tokens per decode second (``None`` before any decode time)."""
-        return self.new_tokens / self.decode_s if self.decode_s > 0 else None
+        return ratio(self.new_tokens, self.decode_s) if self.decode_s > 0 else None
 
     def summary(self) -> dict:
         """Counters and derived figures as a plain dict (JSON-ready)."""

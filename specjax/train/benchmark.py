@@ -8,7 +8,7 @@ import json
 import os
 from collections import Counter
 
-from specjax.runtime.stats import RunStats
+from specjax.runtime.stats import RunStats, ratio
 from specjax.train.common import DistillError, log
 from specjax.train.options import check_args, check_out_dir, parse_gammas
 from specjax.train.records import encode_record, read_records, read_split
@@ -29,7 +29,7 @@ def bench(args) -> dict:
     ``--max-new-tokens``, ``--model``). Writes ``OUT/bench.json`` and prints one table line
     per kind. Returns the result: ``prompts``, ``max_new_tokens``, ``dtype``, ``batch``,
     ``greedy``, ``mismatches`` (``(kind, question id)`` pairs) and ``table`` (per kind:
-    ``tokens_per_s``, ``speedup`` vs autoregressive, ``alpha`` (0 for autoregressive),
+    ``tokens_per_s``, ``speedup`` vs autoregressive, ``alpha`` (``None`` for autoregressive),
     ``tokens_per_call``, ``new_tokens`` and ``by_category`` ``{speedup, alpha}``).
 
     Raises:
@@ -116,36 +116,34 @@ def _bench_run(args, out, target, recs, prompts, gammas) -> dict:
     with open(os.path.join(out, "bench.json"), "w") as f:
         json.dump(result, f, indent=1)
     for k, v in result["table"].items():
-        print(f"{k:16s} {v['tokens_per_s']:6.2f} tok/s  speedup {v['speedup']:.2f}x  alpha {v['alpha']:.3f}  "
-              f"tokens/call {v['tokens_per_call']:.2f}")
+        print(f"{k:16s} {_num(v['tokens_per_s'], 6, 2)} tok/s  speedup {_num(v['speedup'], 0, 2)}x  "
+              f"alpha {_num(v['alpha'], 0, 3)}  tokens/call {_num(v['tokens_per_call'], 0, 2)}")
     if mismatches:
         print(f"MISMATCH vs autoregressive: {mismatches}")
     return result
 
 
-def _alpha(st: RunStats) -> float:
-    """Acceptance rate, 0.0 without a drafter (the table's autoregressive row)."""
-    return 0.0 if st.acceptance_rate is None else st.acceptance_rate
+def _num(x: float | None, width: int, digits: int) -> str:
+    """A table figure; "–" for no data (``None``)."""
+    return f"{'–':>{width}}" if x is None else f"{x:{width}.{digits}f}"
 
 
 def bench_table(totals: dict, by_category: dict) -> dict:
     """The benchmark table from per-kind :class:`RunStats` (``totals[kind]``) and per-kind,
     per-category ones (``by_category[kind][category]``); kind ``"ar"`` is the baseline.
     Per kind: ``tokens_per_s`` (new tokens ÷ decode seconds), ``speedup`` (÷ the
-    autoregressive tokens/s), ``alpha`` (acceptance rate, 0 without a drafter),
-    ``tokens_per_call`` (new tokens ÷ target calls, 0 without calls), ``new_tokens`` and
+    autoregressive tokens/s), ``alpha`` (acceptance rate, ``None`` without a drafter),
+    ``tokens_per_call`` (new tokens ÷ target calls, ``None`` without calls), ``new_tokens`` and
     ``by_category`` (sorted) ``{speedup, alpha}``.
-
-    Raises:
-      TypeError: a kind without decode time (no tokens/s).
+    A kind without decode time has ``None`` tokens/s and speedup (no data).
     """
     ar_tps = totals["ar"].tokens_per_s
     ar_cat = {c: v.tokens_per_s for c, v in by_category["ar"].items()}
     table = {}
     for k, v in totals.items():
         tps = v.tokens_per_s
-        table[k] = {"tokens_per_s": tps, "speedup": tps / ar_tps, "alpha": _alpha(v),
-                    "tokens_per_call": v.mean_accepted_tokens or 0.0, "new_tokens": v.new_tokens,
-                    "by_category": {c: {"speedup": x.tokens_per_s / ar_cat[c], "alpha": _alpha(x)}
+        table[k] = {"tokens_per_s": tps, "speedup": ratio(tps, ar_tps), "alpha": v.acceptance_rate,
+                    "tokens_per_call": v.mean_accepted_tokens, "new_tokens": v.new_tokens,
+                    "by_category": {c: {"speedup": ratio(x.tokens_per_s, ar_cat[c]), "alpha": x.acceptance_rate}
                                     for c, x in sorted(by_category[k].items())}}
     return table

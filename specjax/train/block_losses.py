@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from specjax.runtime.stats import ratio
+
 ANCHOR_STREAM = 0xB10C  # the anchors' random stream, next to window_order's (seed, epoch) ones
 
 
@@ -160,11 +162,12 @@ def summarize(v: np.ndarray, gamma: int) -> dict:
     (chain α_i: of the anchors whose first i − 1 drafts agree with the target's greedy tokens, the
     fraction whose i-th does too), ``agreement_by_slot`` (each slot alone), ``accepted_per_round``
     (Σ_i Π_{j<=i} α_j, greedy drafts accepted per round), ``loss`` (held-out weighted cross-entropy)
-    and ``positions`` (anchors)."""
+    and ``positions`` (anchors); an α nothing scored is ``None`` (no data)."""
     st = v[: 4 * gamma].reshape(4, gamma)
-    agree = st[0] / np.maximum(st[1], 1)
-    alpha = st[2] / np.maximum(st[3], 1)
-    return {"alpha": float(alpha[0]), "alpha_by_position": alpha.tolist(), "agreement_by_slot": agree.tolist(),
+    alpha = st[2] / np.maximum(st[3], 1)  # 0 where unscored: no anchor's earlier drafts all agreed
+    by_pos = [ratio(a, n) for a, n in zip(st[2].tolist(), st[3].tolist())]
+    return {"alpha": by_pos[0], "alpha_by_position": by_pos,
+            "agreement_by_slot": [ratio(a, n) for a, n in zip(st[0].tolist(), st[1].tolist())],
             "accepted_per_round": float(np.cumprod(alpha).sum()), "loss": float(v[-2] / max(v[-1], 1e-9)),
             "positions": int(st[1][0])}
 

@@ -12,6 +12,7 @@ from collections import defaultdict
 
 import numpy as np
 
+from specjax.runtime.stats import ratio
 from specjax.train.batches import build_batch, make_windows
 from specjax.train.common import log
 from specjax.train.losses import loss_parts, ttt_loss_parts
@@ -130,8 +131,8 @@ def evaluate(ev, tp, frozen, seqs, data, eval_idx, sub_pos, window, d, batch_siz
     over the response positions of the eval sequences (the last ``window`` positions of
     each), pooled and per category: ``{"alpha", "alpha2", "alpha_by_position", "positions",
     "by_category": {category: {the same}}}``; ``alpha_by_position`` has one α per draft position
-    of :func:`make_eval_fn` (2, or :data:`EVAL_POSITIONS` for fused-feature drafters). No eval
-    sequence: every α is 0. ``ev``: :func:`make_eval_fn`; the batches are
+    of :func:`make_eval_fn` (2, or :data:`EVAL_POSITIONS` for fused-feature drafters). A position
+    nothing scored (no eval sequence) has α ``None`` (no data). ``ev``: :func:`make_eval_fn`; the batches are
     :func:`specjax.train.batches.build_batch` of ``batch_size`` windows."""
     import jax.numpy as jnp
 
@@ -150,7 +151,7 @@ def evaluate(ev, tp, frozen, seqs, data, eval_idx, sub_pos, window, d, batch_siz
             tot = (tot if tot.shape == v.shape else np.zeros_like(v)) + v
 
     def summary(v):
-        a = (v[0] / np.maximum(v[1], 1)).tolist()
+        a = [ratio(h, n) for h, n in zip(v[0].tolist(), v[1].tolist())]
         return {"alpha": a[0], "alpha2": a[1], "alpha_by_position": a, "positions": int(v[1][0])}
 
     res = summary(tot)
@@ -239,7 +240,7 @@ def record_eval(out: str, state: TrainState, step: int, result: dict) -> dict:
 def format_alphas(result: dict) -> str:
     """``"0.512 / 0.401 / ..."``: an :func:`evaluate` result's α per draft position (``"n/a"`` without one)."""
     a = result.get("alpha_by_position") or ([result["alpha"], result["alpha2"]] if "alpha" in result else [])
-    return " / ".join(f"{x:.3f}" for x in a) if a else "n/a"
+    return " / ".join("–" if x is None else f"{x:.3f}" for x in a) if a else "n/a"
 
 
 PROGRESS_EVERY_S = 60.0  # seconds between plain progress lines in the log
@@ -267,7 +268,7 @@ def train(state: TrainState, mngr, *, steps: int, step_fn, frozen, batch_for, ev
     import jax.numpy as jnp
     from tqdm import tqdm
 
-    alpha = state.history[-1]["alpha"] if state.history else float("nan")
+    alpha = state.history[-1]["alpha"] if state.history else None  # no evaluation yet: no data
     bar = tqdm(range(state.step, steps), initial=state.step, total=steps, desc="distill", file=sys.stderr,
                disable=True if os.environ.get("SPECJAX_NO_PROGRESS") == "1" else None,  # None: only on a TTY
                mininterval=2.0)
@@ -296,7 +297,7 @@ def train(state: TrainState, mngr, *, steps: int, step_fn, frozen, batch_for, ev
             break
         if done == onpolicy_after:
             add_onpolicy(state.params)
-        bar.set_postfix(loss=f"{float(loss):.3f}", acc=f"{float(acc):.2f}", alpha=f"{alpha:.3f}")
+        bar.set_postfix(loss=f"{float(loss):.3f}", acc=f"{float(acc):.2f}", alpha="–" if alpha is None else f"{alpha:.3f}")
     bar.close()
     mngr.wait_until_finished()
     mngr.close()
