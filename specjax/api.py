@@ -124,7 +124,8 @@ def load_drafter(spec: str | None, target: Model, dtype: str = "float32"):
     return load(spec, target, dtype)
 
 
-def encode_prompts(target: Model, texts: Sequence[str], chat: bool, parse_special: bool = True) -> list[list[int]]:
+def encode_prompts(target: Model, texts: Sequence[str], chat: bool, parse_special: bool = True,
+                   chat_template_kwargs: dict | None = None) -> list[list[int]]:
     """Token ids of each text (with the model's chat template when ``chat``).
 
     Args:
@@ -136,14 +137,22 @@ def encode_prompts(target: Model, texts: Sequence[str], chat: bool, parse_specia
         tokenized as plain text; with ``chat`` only the template's own special tokens become
         control ids (:meth:`specjax.io.tokenizer.Tokenizer.encode_chat`). Ordinary text
         gets the same ids either way.
+      chat_template_kwargs: extra variables for the chat template (needs ``chat``), e.g. Qwen3's
+        ``{"enable_thinking": False}`` (:meth:`specjax.io.tokenizer.Tokenizer.apply_chat_template`).
 
     Returns:
       ``list[list[int]]``: one id list per text.
 
     Raises:
       CheckpointError: the model has no tokenizer.
-      ValueError: an empty prompt; ``chat`` without a chat template.
+      ValueError: an empty prompt; ``chat`` without a chat template; ``chat_template_kwargs`` without
+        ``chat``, not a dict with string keys, or naming a variable specjax sets.
     """
+    if chat_template_kwargs is not None:
+        if not isinstance(chat_template_kwargs, dict) or not all(isinstance(k, str) for k in chat_template_kwargs):
+            raise ValueError("chat_template_kwargs must be a dict with string keys, e.g. {\"enable_thinking\": false}")
+        if not chat:
+            raise ValueError("chat_template_kwargs needs the chat template (chat=True / --chat)")
     tok = target.tokenizer
     if tok is None:
         raise CheckpointError(f"{target.name} has no tokenizer; pass token ids to specjax.runtime.decoder.generate instead")
@@ -151,7 +160,7 @@ def encode_prompts(target: Model, texts: Sequence[str], chat: bool, parse_specia
     for i, t in enumerate(texts):
         if not isinstance(t, str) or not t.strip():
             raise ValueError(f"prompt {i} is empty; give a non-empty prompt")
-        ids.append(tok.encode_chat(t, parse_special=parse_special) if chat
+        ids.append(tok.encode_chat(t, parse_special=parse_special, template_kwargs=chat_template_kwargs) if chat
                    else tok.encode(t, parse_special=parse_special))
     return ids
 
@@ -235,6 +244,7 @@ def generate_text(
     tree_nodes: int | None = None, tree_depth: int | None = None, tree_topk: int | None = None,
     max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
     chat: bool = False,
+    chat_template_kwargs: dict | None = None,
     batch_size: int | None = None,
     ignore_eos: bool = False,
     decoder: Decoder | None = None,
@@ -283,6 +293,8 @@ def generate_text(
       progress: a :class:`specjax.runtime.progress.Progress` for phase lines (compiles), or ``None``.
       parse_special: whether special-token strings typed in a prompt become control ids
         (default ``True``); ``False`` tokenizes prompts as plain text (see :func:`encode_prompts`).
+      chat_template_kwargs: extra chat-template variables (with ``chat``; Qwen3's
+        ``{"enable_thinking": False}``), see :func:`encode_prompts`.
 
     Prompt i uses request key ``fold_in(seed_key(seed), i)``, whatever its batch.
 
@@ -295,7 +307,7 @@ def generate_text(
               batch_size=batch_size, ignore_eos=ignore_eos, **sampling_fields)
     settings = _settings(settings, sampling, kw)
     stop = _check_text_args(prompts, stop)
-    ids = encode_prompts(target, prompts, chat, parse_special=parse_special)
+    ids = encode_prompts(target, prompts, chat, parse_special=parse_special, chat_template_kwargs=chat_template_kwargs)
     dec = decoder or Decoder(target, drafter, gamma, progress=progress, tree_nodes=tree_nodes, tree_depth=tree_depth,
                              tree_topk=tree_topk)
     per_row_stops = stop_token_ids is not None and len(stop_token_ids) > 0 and all(

@@ -312,8 +312,13 @@ def test_pickle_weights_are_never_unpickled(tiny_dir, tmp_path):
         (lambda c: c.update(model_type="qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1),
          ["sliding-window", "use_sliding_window=false"]),
         (lambda c: c.update(num_key_value_heads=3), ["num_key_value_heads=3", "multiple"]),
+        (lambda c: c.update(model_type="qwen3_moe", num_experts=8, architectures=["Qwen3MoeForCausalLM"]),
+         ["mixture-of-experts", "num_experts=8", "dense"]),
+        (lambda c: c.update(model_type="qwen3", use_sliding_window=True, sliding_window=8, max_window_layers=1),
+         ["qwen3 sliding-window", "use_sliding_window=false"]),
     ],
-    ids=["gpt2", "yarn", "yarn-v5", "per-layer-rope", "gelu", "mlp_bias", "qwen2-sliding", "gqa"],
+    ids=["gpt2", "yarn", "yarn-v5", "per-layer-rope", "gelu", "mlp_bias", "qwen2-sliding", "gqa", "moe",
+         "qwen3-sliding"],
 )
 def test_unsupported_architecture(tiny_dir, tmp_path, edit, words):
     bad = _copy_ckpt(tiny_dir, str(tmp_path / "bad"), edit_config=edit)
@@ -397,14 +402,15 @@ def _same_params(a, b):
                            ("original_max_position_embeddings", 64), ("rope_type", "llama3"))),
         dict(model_type="qwen2", attention_bias=True, rope_theta=1e6),
         dict(model_type="mistral", eos_token_ids=(1, 5)),
+        dict(model_type="qwen3", qk_norm=True, head_dim=32, rope_theta=1e6),
     ],
-    ids=["llama", "llama3-tied-bias", "qwen2", "mistral"],
+    ids=["llama", "llama3-tied-bias", "qwen2", "mistral", "qwen3"],
 )
 def test_save_load_round_trip(tmp_path, kw):
     m = tiny_model(seed=13, **kw)
-    if m.config.attention_bias:  # non-zero biases, so a dropped bias would show
+    if m.config.attention_bias or m.config.qk_norm:  # non-default biases / norms, so a dropped one would show
         for layer in m.params["layers"].values():
-            for k in ("b_qkv", "bo"):
+            for k in ("b_qkv", "bo", "q_norm", "k_norm"):
                 if k in layer:
                     layer[k][...] = jax.random.normal(jax.random.PRNGKey(len(k)), layer[k][...].shape) * 0.3
     path = save_model(m, str(tmp_path / "saved"))

@@ -268,3 +268,32 @@ def test_bench_and_analyze_honour_no_parse_special(default_model, monkeypatch):
         with pytest.raises(Stop):
             main(argv + ["--no-parse-special"])
     assert seen == {"bench": False, "analyze": False}
+
+
+def test_chat_template_kwargs_reach_the_template(smol):
+    """Qwen3's ``enable_thinking`` switch (issue 30): template variables pass through
+    ``encode_prompts`` / ``generate_text`` / ``encode_chat`` (both parse_special modes) to the
+    template; a variable specjax sets itself, or one without the chat template, is refused."""
+    import copy
+
+    from specjax.api import encode_prompts
+
+    tok = copy.copy(smol)
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n"
+                         "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+                         "{% endif %}{% endif %}")
+    target = types.SimpleNamespace(tokenizer=tok, name="qwen3-like")
+    think = encode_prompts(target, ["hi"], True)[0]
+    off = encode_prompts(target, ["hi"], True, chat_template_kwargs={"enable_thinking": False})[0]
+    assert "<think>" not in tok.decode(think, skip_special_tokens=False)
+    assert tok.decode(off, skip_special_tokens=False).endswith("<think>\n\n</think>\n\n")
+    assert off == encode_prompts(target, ["hi"], True, parse_special=False,
+                                 chat_template_kwargs={"enable_thinking": False})[0]
+    assert encode_prompts(target, ["hi"], True, chat_template_kwargs={"enable_thinking": True})[0] == think
+    with pytest.raises(ValueError, match="set by specjax itself"):
+        encode_prompts(target, ["hi"], True, chat_template_kwargs={"messages": []})
+    with pytest.raises(ValueError, match="needs the chat template"):
+        encode_prompts(target, ["hi"], False, chat_template_kwargs={"enable_thinking": False})
+    with pytest.raises(ValueError, match="string keys"):
+        encode_prompts(target, ["hi"], True, chat_template_kwargs={1: 2})

@@ -45,6 +45,7 @@ def cmd_generate(args) -> int:
     from specjax.runtime.progress import Progress
 
     s = resolve(args)
+    template_kwargs = _template_kwargs(args.chat_template_kwargs, s["chat"])
     prompts = generate_prompts(args)
     gamma = parse_gamma(s["gamma"])
     # before the model loads: the vocabulary size from the GGUF metadata or config.json (a hub id: after the load)
@@ -67,10 +68,14 @@ def cmd_generate(args) -> int:
     target, drafter = _load_for_generate(s, gamma, mesh, progress)
     check_logprobs(args.logprobs, target.config.vocab_size)
     chat = chat_default(target, s["chat"])
+    if template_kwargs is not None and not chat:
+        raise UsageError("--chat-template-kwargs needs the chat template, and this model's tokenizer has none; "
+                         "drop --chat-template-kwargs")
+    s["chat_template_kwargs"] = template_kwargs
     if s["max_new_tokens_given"] and target.tokenizer is not None:  # the cap of each prompt, said once
         from specjax.api import encode_prompts
 
-        ids = encode_prompts(target, [p["prompt"] for p in prompts], chat, s["parse_special"])
+        ids = encode_prompts(target, [p["prompt"] for p in prompts], chat, s["parse_special"], template_kwargs)
         note_prompt_caps(s["max_new_tokens"], [len(x) for x in ids], target, drafter)
     if gamma == "auto":  # resolve() already refused --gamma auto without a drafter (and with a tree)
         gamma = auto_gamma(target, drafter, prompts, s, args, chat, progress)
@@ -91,7 +96,7 @@ def cmd_generate(args) -> int:
            dict(tree_nodes=tree.nodes, tree_depth=tree.depth, tree_topk=tree.topk)),
         max_new_tokens=s["max_new_tokens"], sampling=s["sampling"], seed=args.seed, chat=chat, batch_size=args.batch_size, ignore_eos=args.ignore_eos,
         stop=args.stop, logprobs=args.logprobs, on_text=on_text if stream else None, on_done=on_done,
-        progress=progress, parse_special=s["parse_special"],
+        progress=progress, parse_special=s["parse_special"], chat_template_kwargs=template_kwargs,
     )
     return 0
 
@@ -152,6 +157,26 @@ def _printers(args, prompts: list[dict], stream: bool, drafter):
     return on_text, on_done
 
 
+def _template_kwargs(text: str | None, chat: bool | None) -> dict | None:
+    """``--chat-template-kwargs JSON`` as a dict (``None`` when not given), checked before any load.
+
+    Raises:
+      UsageError: not a JSON object, or given together with ``--no-chat``."""
+    if text is None:
+        return None
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--chat-template-kwargs is not valid JSON ({e.msg} at character {e.pos}); give an object "
+                         "such as '{\"enable_thinking\": false}'") from None
+    if not isinstance(d, dict):
+        raise UsageError(f"--chat-template-kwargs must be a JSON object, got {type(d).__name__}; e.g. "
+                         "'{\"enable_thinking\": false}'")
+    if chat is False:
+        raise UsageError("--chat-template-kwargs needs the chat template; drop --no-chat")
+    return d
+
+
 def _num(x: float | None, digits: int) -> str:
     """A statistic for the summary line; "–" for no data (``None``)."""
     return "–" if x is None else f"{x:.{digits}f}"
@@ -169,7 +194,8 @@ def auto_gamma(target, drafter, prompts, s: dict, args, chat: bool, progress) ->
     from specjax.runtime.settings import DecodeSettings
 
     texts = [p["prompt"] for p in prompts[: measure.AUTO_PROMPTS]]
-    recs = [{"ids": ids} for ids in encode_prompts(target, texts, chat, s["parse_special"])]
+    recs = [{"ids": ids} for ids in encode_prompts(target, texts, chat, s["parse_special"],
+                                                    s.get("chat_template_kwargs"))]
     settings = DecodeSettings(max_new_tokens=s["max_new_tokens"], sampling=s["sampling"], seed=args.seed, ignore_eos=args.ignore_eos)
     batch = max(1, min(int(args.batch_size), len(prompts)))  # rows decoded together: costs are timed at it
     gamma, rep = measure.recommend(target, drafter, recs, settings, cache=hostcache.default_cache(),
@@ -204,6 +230,9 @@ def register_cli(subparsers) -> None:
     g.add_argument("--stop", action="append", metavar="STR",
                    help="stop when the text contains STR (cut before it; repeatable; \\n and \\t are newline and "
                         "tab); finish_reason 'stop'")
+    g.add_argument("--chat-template-kwargs", metavar="JSON", default=None,
+                   help="extra chat-template variables as a JSON object, e.g. '{\"enable_thinking\": false}' "
+                        "(Qwen3: no thinking block); needs the chat template")
     g.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="log-probability of every emitted token and its top-N alternatives (JSON field 'logprobs')")
     g.set_defaults(func=cmd_generate)

@@ -7,7 +7,6 @@ which re-exports every name here.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import jax.numpy as jnp
@@ -26,8 +25,7 @@ def target_fingerprint(target) -> dict:
     import hashlib
 
     cfg = target.config
-    c = json.dumps({k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(cfg).items()},
-                   sort_keys=True, default=str)
+    c = json.dumps(cfg.identity(), sort_keys=True, default=str)
     emb = np.asarray(target_embed(target)[np.r_[0:8, cfg.vocab_size - 8:cfg.vocab_size]], np.float64)
     f32 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)
     w = np.concatenate([np.linalg.norm(emb, axis=1), f32(target.params["final_norm"][...])[:16],

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from specjax.models.config import CheckpointError, ModelConfig, UnsupportedModelError
+from specjax.models.config import QK_NORM_TYPES, CheckpointError, ModelConfig, UnsupportedModelError
+
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")  # llama.cpp's names, equal to the HF model_type
 
 _MISSING = object()
 
@@ -44,16 +46,16 @@ def open_gguf(path: str):
 
 
 def config_from_gguf(reader) -> ModelConfig:
-    """ModelConfig from GGUF metadata (architectures ``llama`` and ``qwen2``).
+    """ModelConfig from GGUF metadata (architectures ``llama``, ``qwen2`` and ``qwen3``).
 
     Raises:
       UnsupportedModelError: another architecture, or RoPE scaling stored as GGUF
         ``rope_freqs`` factors / a scaling type other than none/linear.
     """
     arch = field(reader, "general.architecture")
-    if arch not in ("llama", "qwen2"):
+    if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedModelError(
-            f"GGUF architecture {arch!r} is not supported (supported: llama, qwen2)."
+            f"GGUF architecture {arch!r} is not supported (supported: {', '.join(GGUF_ARCHITECTURES)})."
         )
     names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in names:
@@ -87,6 +89,7 @@ def config_from_gguf(reader) -> ModelConfig:
         max_position_embeddings=int(field(reader, f"{arch}.context_length", 2048)),
         tie_word_embeddings=_lm_head_name() not in names,
         attention_bias=arch == "qwen2",
+        qk_norm=arch in QK_NORM_TYPES,
         model_type=arch,
         bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),),

@@ -128,7 +128,8 @@ def looks_like_hub_id(s: str) -> bool:
 
 def hf_config_dict(cfg: ModelConfig) -> dict:
     """A Hugging Face ``config.json`` dict for ``cfg`` (round-trips through ``from_hf_config``)."""
-    arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}[cfg.model_type]
+    arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM"}[cfg.model_type]
     d = {
         "architectures": [arch],
         "model_type": cfg.model_type,
@@ -146,7 +147,7 @@ def hf_config_dict(cfg: ModelConfig) -> dict:
         "hidden_act": "silu",
         "torch_dtype": "float32",
     }
-    if cfg.model_type == "llama":
+    if cfg.model_type in ("llama", "qwen3"):
         d["attention_bias"] = cfg.attention_out_bias
     if cfg.model_type == "mistral":
         d["sliding_window"] = None

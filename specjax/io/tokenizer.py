@@ -143,7 +143,7 @@ class Tokenizer:
             self._tok.encode_special_tokens = saved
 
     def encode_chat(self, messages: list[dict] | str, add_generation_prompt: bool = True,
-                    parse_special: bool = True) -> list[int]:
+                    parse_special: bool = True, template_kwargs: dict | None = None) -> list[int]:
         """Ids of ``messages`` (or one user string) rendered with the chat template.
 
         Args:
@@ -152,6 +152,7 @@ class Tokenizer:
             ``False``: only the template's own special tokens become control ids; each message's
             ``content`` (a string) is tokenized as plain text. Ids are identical to ``True``
             whenever no message contains a special-token string.
+          template_kwargs: extra variables for the template (:meth:`apply_chat_template`).
 
         Returns:
           ``list[int]`` (no BOS added beyond what the template writes).
@@ -161,7 +162,8 @@ class Tokenizer:
             content, or a template that does not insert the contents verbatim.
         """
         if parse_special:
-            return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt, template_kwargs),
+                               add_special_tokens=False)
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
         # Render once with a unique placeholder per content to find where the contents sit.
@@ -172,8 +174,8 @@ class Tokenizer:
                 raise ValueError(f"message {i}: parse_special=False needs a string 'content'")
             marks.append(f"\ue000{tag}:{i}\ue001")
             masked.append(dict(m, content=marks[-1]))
-        rendered = self.apply_chat_template(messages, add_generation_prompt)
-        layout = self.apply_chat_template(masked, add_generation_prompt)
+        rendered = self.apply_chat_template(messages, add_generation_prompt, template_kwargs)
+        layout = self.apply_chat_template(masked, add_generation_prompt, template_kwargs)
         # user spans [start, end) in ``rendered``; the template text around them is kept as is
         spans, text, pos = [], [], 0
         for i, mark in enumerate(marks):
@@ -209,12 +211,23 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict] | str, add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict] | str, add_generation_prompt: bool = True,
+                            template_kwargs: dict | None = None) -> str:
         """Render ``messages`` (or one user string) with the model's chat template.
 
+        ``template_kwargs``: extra variables the template reads, as transformers'
+        ``apply_chat_template(**kwargs)`` and vLLM's ``chat_template_kwargs`` pass them (Qwen3:
+        ``{"enable_thinking": False}``); a variable the template does not use changes nothing.
+
         Raises:
-          ValueError: the checkpoint has no chat template (drop ``--chat``).
+          ValueError: the checkpoint has no chat template (drop ``--chat``); a template variable
+            that would replace ``messages``, ``add_generation_prompt`` or a special token.
         """
+        extra = dict(template_kwargs or {})
+        clash = sorted(set(extra) & ({"messages", "add_generation_prompt"} | set(self.special_tokens)))
+        if clash:
+            raise ValueError(f"chat template variable(s) {', '.join(clash)} are set by specjax itself; "
+                             "remove them from the chat template kwargs")
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
         if not self.chat_template:
@@ -228,7 +241,7 @@ class Tokenizer:
 
         env.globals["raise_exception"] = raise_exception
         return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens
+            messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens, **extra
         )
 
     # ------------------------------------------------------------------ builders

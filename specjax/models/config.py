@@ -3,7 +3,8 @@
 
 Supported: the Llama family as Hugging Face defines it — ``LlamaForCausalLM``
 (Llama 2/3, SmolLM2, incl. ``llama3`` and ``linear`` RoPE scaling),
-``MistralForCausalLM`` and ``Qwen2ForCausalLM`` (q/k/v bias). Anything that would
+``MistralForCausalLM``, ``Qwen2ForCausalLM`` (q/k/v bias) and ``Qwen3ForCausalLM``
+(per-head RMSNorm of q and k before RoPE, ``head_dim`` independent of the width). Anything that would
 change the math in a way this implementation does not follow raises
 :class:`UnsupportedModelError` instead of silently building a wrong model.
 """
@@ -25,7 +26,10 @@ class UnsupportedModelError(CheckpointError):
     """The checkpoint uses an architecture or feature specjax does not implement."""
 
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# What each family changes, named once (the block and the weight table read the config's fields):
+# qwen2: q/k/v biases; qwen3: per-head q/k RMSNorm (``qk_norm``), biases only if ``attention_bias``.
+QK_NORM_TYPES = ("qwen3",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +52,8 @@ class ModelConfig:
       tie_word_embeddings: LM head is the embedding matrix.
       attention_bias: q/k/v projections have a bias (Qwen2; Llama ``attention_bias``).
       attention_out_bias: output projection has a bias (Llama ``attention_bias``).
-      model_type: ``llama``, ``mistral`` or ``qwen2``.
+      qk_norm: per-head RMSNorm of the queries and keys (weights ``[head_dim]``) before RoPE (Qwen3).
+      model_type: ``llama``, ``mistral``, ``qwen2`` or ``qwen3``.
       bos_token_id / eos_token_ids: special ids from the checkpoint (may be empty).
     """
 
@@ -66,6 +71,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     attention_out_bias: bool = False
+    qk_norm: bool = False
     model_type: str = "llama"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -78,6 +84,17 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise UnsupportedModelError(f"head_dim={self.head_dim} is odd; RoPE needs an even head_dim.")
+
+    def identity(self) -> dict:
+        """The fields that identify the model's math, as a JSON-ready dict (a drafter's
+        trained-for fingerprint hashes it). Fields added after fingerprints were first written
+        (:data:`LATER_FIELDS`) are left out while at their default, so every model that existed
+        before them keeps its fingerprint (and the drafters trained for it still load)."""
+        d = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()}
+        for name in LATER_FIELDS:
+            if d[name] == _FIELD_DEFAULTS[name]:
+                del d[name]
+        return d
 
     def rope_inv_freq(self) -> np.ndarray:
         """RoPE inverse frequencies ``[head_dim // 2]`` float32, with ``rope_scaling`` applied
@@ -111,11 +128,18 @@ class ModelConfig:
         """Build from a Hugging Face ``config.json`` dict.
 
         Raises:
-          UnsupportedModelError: an architecture other than Llama/Mistral/Qwen2, an
-            activation other than SiLU, MLP biases, or an unknown RoPE scaling type.
+          UnsupportedModelError: an architecture other than Llama/Mistral/Qwen2/Qwen3 (mixture-of-experts
+            named as such), an activation other than SiLU, MLP biases, or an unknown RoPE scaling type.
         """
         model_type = cfg.get("model_type")
         archs = cfg.get("architectures") or []
+        experts = next((f"{k}={cfg[k]}" for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                        if cfg.get(k)), None)
+        if experts or "moe" in str(model_type).lower():
+            raise UnsupportedModelError(
+                f"mixture-of-experts layers ({experts or model_type}) are not supported; specjax implements "
+                f"dense decoders ({', '.join(SUPPORTED_MODEL_TYPES)})."
+            )
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
                 f"model_type={model_type!r} (architectures={archs}) is not supported; "
@@ -134,9 +158,9 @@ class ModelConfig:
         window = cfg.get("sliding_window")
         uses_window = cfg.get("use_sliding_window", model_type == "mistral")
         if uses_window and window is not None:
-            if model_type == "qwen2" and cfg.get("max_window_layers", 0) < cfg["num_hidden_layers"]:
+            if model_type in ("qwen2", "qwen3") and cfg.get("max_window_layers", 0) < cfg["num_hidden_layers"]:
                 raise UnsupportedModelError(
-                    "Qwen2 sliding-window attention on some layers (use_sliding_window=true) is not "
+                    f"{model_type} sliding-window attention on some layers (use_sliding_window=true) is not "
                     "supported; set use_sliding_window=false in config.json if the window is unused."
                 )
             max_pos = min(max_pos, int(window))
@@ -169,10 +193,16 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bias or model_type == "qwen2",
             attention_out_bias=bias,
+            qk_norm=model_type in QK_NORM_TYPES,
             model_type=model_type,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
+
+
+# ModelConfig fields added after drafter fingerprints existed (see ModelConfig.identity); append, never remove.
+LATER_FIELDS = ("qk_norm",)
+_FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
 
 
 def _rope_settings(cfg: Mapping[str, Any]) -> tuple[float, dict | None]:

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) in Flax NNX, with a
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) in Flax NNX, with a
 per-row KV cache.
 
 The module is defined with Flax NNX and split once (:func:`abstract_model`);
@@ -74,7 +74,8 @@ def decoder_block(
       p: the block's weights by :data:`specjax.models.weights.WEIGHTS` name (``attn_norm``,
         ``w_qkv [D, KV, G + 2, hd]``, ``wo``, ``mlp_norm``, ``w_gate_up [D, 2, F]``, ``w_down
         [F, D]``; matmul weights ``[in, *out]`` in float32, bfloat16 or int8 with a float32
-        ``<name>_scale``). Optional weights (the biases ``b_qkv``/``bo``) may be absent.
+        ``<name>_scale``). Optional weights (the biases ``b_qkv``/``bo``, Qwen3's per-head
+        ``q_norm``/``k_norm [hd]``) may be absent.
       h: ``[B, T, D]`` float32 input of the block.
       positions: ``[B, T]`` int32 RoPE positions. K/V are always written at the contiguous
         slots ``positions[:, 0] + arange(T)``. Without ``tree_mask`` they must be contiguous
@@ -112,6 +113,9 @@ def decoder_block(
     g = cfg.num_heads // cfg.num_kv_heads
     q = qkv[:, :, :, :g].reshape(b, t, cfg.num_heads, hd)  # head kv·G + j, the checkpoints' order
     k, v = qkv[:, :, :, g], qkv[:, :, :, g + 1]  # [B, T, KV, hd]
+    if "q_norm" in p:  # Qwen3: RMSNorm of each head's query and key before RoPE
+        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
     q = rope(q, positions, inv_freq)
     k = rope(k, positions, inv_freq)
     kc = write_kv(k_cache, k.transpose(0, 2, 1, 3), starts)
