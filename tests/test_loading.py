@@ -316,9 +316,16 @@ def test_pickle_weights_are_never_unpickled(tiny_dir, tmp_path):
          ["mixture-of-experts", "num_experts=8", "dense"]),
         (lambda c: c.update(model_type="qwen3", use_sliding_window=True, sliding_window=8, max_window_layers=1),
          ["qwen3 sliding-window", "use_sliding_window=false"]),
+        (lambda c: c.update(model_type="gemma3", architectures=["Gemma3ForConditionalGeneration"], text_config={}),
+         ["multimodal", "Gemma3ForCausalLM"]),
+        (lambda c: c.update(model_type="gemma2", hidden_activation="gelu"), ["gemma2", "gelu", "not supported"]),
+        (lambda c: c.update(model_type="gemma3_text", hidden_activation="gelu_pytorch_tanh", rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}),
+         ["local-layer RoPE", "linear"]),
     ],
     ids=["gpt2", "yarn", "yarn-v5", "per-layer-rope", "gelu", "mlp_bias", "qwen2-sliding", "gqa", "moe",
-         "qwen3-sliding"],
+         "qwen3-sliding", "gemma3-multimodal", "gemma2-gelu", "gemma3-local-rope"],
 )
 def test_unsupported_architecture(tiny_dir, tmp_path, edit, words):
     bad = _copy_ckpt(tiny_dir, str(tmp_path / "bad"), edit_config=edit)
@@ -403,16 +410,20 @@ def _same_params(a, b):
         dict(model_type="qwen2", attention_bias=True, rope_theta=1e6),
         dict(model_type="mistral", eos_token_ids=(1, 5)),
         dict(model_type="qwen3", qk_norm=True, head_dim=32, rope_theta=1e6),
+        dict(model_type="gemma3_text", qk_norm=True, hidden_act="gelu_tanh", sandwich_norms=True, norm_weight_offset=1.0,
+             scale_embeddings=True, query_pre_attn_scalar=24.0, sliding_window=8, sliding_layers=(0,),
+             rope_local_theta=1e4, rope_theta=1e6, tie_word_embeddings=True),
     ],
-    ids=["llama", "llama3-tied-bias", "qwen2", "mistral", "qwen3"],
+    ids=["llama", "llama3-tied-bias", "qwen2", "mistral", "qwen3", "gemma3"],
 )
 def test_save_load_round_trip(tmp_path, kw):
     m = tiny_model(seed=13, **kw)
     if m.config.attention_bias or m.config.qk_norm:  # non-default biases / norms, so a dropped one would show
         for layer in m.params["layers"].values():
             for k in ("b_qkv", "bo", "q_norm", "k_norm"):
-                if k in layer:
-                    layer[k][...] = jax.random.normal(jax.random.PRNGKey(len(k)), layer[k][...].shape) * 0.3
+                if k in layer:  # norms: multipliers near 1, as trained ones are
+                    layer[k][...] = jax.random.normal(jax.random.PRNGKey(len(k)), layer[k][...].shape) * 0.3 + (
+                        1.0 if k.endswith("norm") else 0.0)
     path = save_model(m, str(tmp_path / "saved"))
     back = load_model(path)
     assert back.config == m.config

@@ -1,12 +1,14 @@
 """GATE (issue 30): model families beyond the Llama shape, each checked against transformers.
 
-Per family (Qwen3 today): a tiny random model built and saved by transformers' own classes
+Per family (Qwen3, Gemma 2, Gemma 3 text): a tiny random model built and saved by transformers' own classes
 (its config class, safetensors) and loaded by specjax: logits within 1e-4 (float32) of
 transformers' over a 64-token prompt, and the greedy 32-token continuation identical to
 transformers' ``generate``; the same weights written as a GGUF file with the ``gguf`` package and
-read by BOTH specjax and transformers (``gguf_file=``), with the same logits; greedy speculative
+read by BOTH specjax and transformers (``gguf_file=``), with the same logits (Qwen3); greedy speculative
 decoding equal to autoregressive with the n-gram drafter and an (untrained) EAGLE-3-style drafter,
-chains and trees; a row decoded alone equal to the same row in a batch.
+chains and trees; a row decoded alone equal to the same row in a batch. The Gemma models have a
+sliding window (16) shorter than the prompts (64 tokens), soft-capping (Gemma 2) and a separate
+local RoPE base with a scaled global RoPE (Gemma 3).
 """
 
 from __future__ import annotations
@@ -31,18 +33,42 @@ QWEN3 = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=112, num_hidden
              # qwen3 GGUF with head_dim 128 whatever its key_length says (every released Qwen3 has 128)
              max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False,
              bos_token_id=1, eos_token_id=2)
+GEMMA = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=112, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=32, query_pre_attn_scalar=24, sliding_window=16, max_position_embeddings=256,
+             rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+FAMILIES = {
+    # name: (config class, model class, config)
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", QWEN3),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+               dict(GEMMA, num_hidden_layers=2, attn_logit_softcapping=5.0, final_logit_softcapping=4.0)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               dict(GEMMA, num_hidden_layers=3, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                     "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}})),
+}
 PROMPT_LEN, NEW = 64, 32
+
+
+def _build(name, tmp_path_factory):
+    cfg_cls, model_cls, kw = FAMILIES[name]
+    torch.manual_seed(0)
+    hf = getattr(transformers, model_cls)(getattr(transformers, cfg_cls)(**kw)).eval()
+    randomize_(hf, seed=30 + sorted(FAMILIES).index(name))
+    path = tmp_path_factory.mktemp(name)
+    hf.save_pretrained(str(path), safe_serialization=True)
+    return hf, load_model(str(path)), path
 
 
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory):
     """``(HF model, specjax model, checkpoint dir)`` of a tiny random Qwen3."""
-    torch.manual_seed(0)
-    hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**QWEN3)).eval()
-    randomize_(hf, seed=30)
-    path = tmp_path_factory.mktemp("qwen3")
-    hf.save_pretrained(str(path), safe_serialization=True)
-    return hf, load_model(str(path)), path
+    return _build("qwen3", tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory, qwen3):
+    """``(name, HF model, specjax model, checkpoint dir)`` of each family (Qwen3 shared)."""
+    return (request.param, *(qwen3 if request.param == "qwen3" else _build(request.param, tmp_path_factory)))
 
 
 def _prompt(seed: int, n: int = PROMPT_LEN) -> list[int]:
@@ -63,14 +89,32 @@ def test_qwen3_config_and_weights_are_the_checkpoints(qwen3):
     np.testing.assert_array_equal(got, want)
 
 
-def test_qwen3_logits_and_greedy_match_transformers(qwen3):
-    hf, m, _ = qwen3
+def test_gemma_configs_are_the_checkpoints(family):
+    name, hf, m, _ = family
+    cfg = m.config
+    if name == "qwen3":
+        return
+    assert cfg.sandwich_norms and cfg.scale_embeddings and cfg.hidden_act == "gelu_tanh"
+    assert cfg.sliding_window == 16 and cfg.query_pre_attn_scalar == 24 and cfg.norm_weight_offset == 1.0
+    if name == "gemma2":
+        assert cfg.sliding_layers == (0,) and cfg.attn_logit_softcapping == 5.0 and cfg.final_logit_softcapping == 4.0
+        assert not cfg.qk_norm and cfg.rope_local_theta is None
+    else:
+        assert cfg.sliding_layers == (0, 1) and cfg.qk_norm and cfg.rope_local_theta == 10000.0
+        assert cfg.rope_theta == 1e6 and dict(cfg.rope_scaling) == {"factor": 2.0, "rope_type": "linear"}
+    # specjax keeps the (1 + w) multiplier; the checkpoint holds w
+    w = hf.model.layers[0].post_feedforward_layernorm.weight.detach().numpy()
+    np.testing.assert_array_equal(np.asarray(m.params["layers"][0]["mlp_post_norm"][...]), 1.0 + w)
+
+
+def test_logits_and_greedy_match_transformers(family):
+    name, hf, m, _ = family
     ids = np.asarray([_prompt(0), _prompt(1)])
     with torch.no_grad():
         want = hf(torch.tensor(ids)).logits.float().numpy()
     got = full_logits(m, ids)
     assert np.abs(want).max() > 1.0
-    assert np.abs(got - want).max() <= 1e-4, f"max |Δlogits| = {np.abs(got - want).max():.2e}"
+    assert np.abs(got - want).max() <= 1e-4, f"{name}: max |Δlogits| = {np.abs(got - want).max():.2e}"
     prompt = _prompt(2)
     with torch.no_grad():
         ref = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, eos_token_id=None,
@@ -117,8 +161,8 @@ def _eagle3(target):
 
 
 @pytest.mark.parametrize("kind", ["ngram", "eagle3"])
-def test_qwen3_speculative_greedy_equals_autoregressive_and_batch_invariant(qwen3, kind):
-    _, m, _ = qwen3
+def test_speculative_greedy_equals_autoregressive_and_batch_invariant(family, kind):
+    _, _, m, _ = family
     prompts = [_prompt(4), _prompt(5, 40), _prompt(6, 23)]
     ar = Decoder(m).generate(prompts, max_new_tokens=NEW, eos_ids=[]).tokens
     drafter = NgramDrafter(3) if kind == "ngram" else _eagle3(m)

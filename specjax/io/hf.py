@@ -11,15 +11,17 @@ import os
 
 from specjax.io.files import read_utf8
 from specjax.models import llama
-from specjax.models.config import CheckpointError, ModelConfig
+from specjax.models.config import GEMMA_TYPES, CheckpointError, ModelConfig
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
 
 def hf_tensor_path(name: str, cfg: ModelConfig, names: dict | None = None):
-    """Map a HF tensor name to ``(specjax path, transpose)`` by the weight table
+    """Map a HF tensor name to ``(specjax path, transpose, offset)`` by the weight table
     (:data:`specjax.models.weights.WEIGHTS`; a part of a fused weight at the part's path);
-    ``None`` for tensors to skip (RoPE buffers, the copy of a tied head). ``names``:
+    ``None`` for tensors to skip (RoPE buffers, the copy of a tied head). ``offset``: what to add to
+    the tensor (in float32) for specjax's value (:meth:`~specjax.models.weights.WeightSpec.norm_offset`:
+    Gemma's norm weights), else 0. ``names``:
     ``llama.checkpoint_names(cfg, "hf")`` if already built.
 
     Raises:
@@ -33,7 +35,7 @@ def hf_tensor_path(name: str, cfg: ModelConfig, names: dict | None = None):
     path, spec, tensor = hit
     if spec.tied_to is not None and not spec.present(cfg):
         return None
-    return path, tensor.hf_transpose
+    return path, tensor.hf_transpose, spec.norm_offset("hf", cfg)
 
 
 def safetensor_files(path: str) -> list[str]:
@@ -71,8 +73,10 @@ def iter_hf_tensors(path: str, cfg: ModelConfig):
                     target = hf_tensor_path(name, cfg, names)
                     if target is None:
                         continue
-                    p, tr = target
+                    p, tr, offset = target
                     t = f.get_tensor(name)
+                    if offset:  # as the model adds it: in float32 (transformers' (1.0 + w.float()))
+                        t = t.astype("float32") + offset
                     yield p, (t.T if tr else t)
         except CheckpointError:
             raise
@@ -129,7 +133,7 @@ def looks_like_hub_id(s: str) -> bool:
 def hf_config_dict(cfg: ModelConfig) -> dict:
     """A Hugging Face ``config.json`` dict for ``cfg`` (round-trips through ``from_hf_config``)."""
     arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM"}[cfg.model_type]
+            "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}[cfg.model_type]
     d = {
         "architectures": [arch],
         "model_type": cfg.model_type,
@@ -151,6 +155,15 @@ def hf_config_dict(cfg: ModelConfig) -> dict:
         d["attention_bias"] = cfg.attention_out_bias
     if cfg.model_type == "mistral":
         d["sliding_window"] = None
+    if cfg.model_type in GEMMA_TYPES:
+        d.pop("hidden_act")
+        d.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=cfg.query_pre_attn_scalar,
+                 attn_logit_softcapping=cfg.attn_logit_softcapping, final_logit_softcapping=cfg.final_logit_softcapping,
+                 sliding_window=cfg.sliding_window, attention_bias=cfg.attention_out_bias,
+                 layer_types=["sliding_attention" if i in cfg.sliding_layers else "full_attention"
+                              for i in range(cfg.num_layers)])
+        if cfg.rope_local_theta is not None:
+            d["rope_local_base_freq"] = cfg.rope_local_theta
     if cfg.rope_scaling:
         d["rope_scaling"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.rope_scaling}
     if cfg.bos_token_id is not None:

@@ -11,7 +11,6 @@ contract) writes its K/V and calls :func:`cache_attention`; every public name he
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -146,6 +145,19 @@ def _tree_visible(tree_mask, start, groups: int, nb: int, blk: int):
     return vis.transpose(0, 2, 1, 3)[:, None]
 
 
+def _tree_slot_positions(positions, nb: int, blk: int):
+    """The position of each cache slot during a tree call, ``[B, 1, NB, 1, blk]``: the slot itself,
+    except the new tokens' scratch slots ``start + i`` (``start = positions[:, 0]``), which hold
+    node i at ``positions[:, i]`` (the root's position + its depth)."""
+    b, t = positions.shape
+    start = positions[:, 0]
+    s = jnp.arange(nb * blk, dtype=jnp.int32)[None, :]
+    rel = s - start[:, None]
+    node = jnp.take_along_axis(positions, jnp.clip(rel, 0, t - 1), axis=1)
+    pos = jnp.where((rel >= 0) & (rel < t), node, s)  # [B, S]
+    return pos.reshape(b, 1, nb, 1, blk)
+
+
 class _TreeWindow:
     """The blocks of :func:`cache_attention` that hold new tokens, per query, in the causal layout of
     that query's path (built by :func:`_tree_window`; the reduced-format tree path).
@@ -187,7 +199,7 @@ class _TreeWindow:
         return place(block_sums, sums), place(part, vals)
 
 
-def _tree_window(scores, v_cache, positions, tree_mask, blk: int, dt) -> _TreeWindow:
+def _tree_window(scores, v_cache, positions, tree_mask, blk: int, dt, window: int | None = None) -> _TreeWindow:
     """Tree attention in the reduced formats, bit-identical to the causal call over each node's
     path (the property the batch-invariant kernels give the chain; docs/design.md).
 
@@ -210,6 +222,8 @@ def _tree_window(scores, v_cache, positions, tree_mask, blk: int, dt) -> _TreeWi
       positions: ``[B, T]`` int32; ``positions[:, 0]`` is the root's slot and position.
       tree_mask: ``[B, T, T]`` bool, ancestors-or-self (one ancestor per depth < depth_j).
       dt: the dtype of the value einsum's inputs (bfloat16).
+      window: a sliding window W: query j also needs position > ``positions[:, j]`` − W (in the
+        rebuilt layout a slot's position is the slot).
     """
     b, kv, nb, gt, _ = scores.shape
     hd = v_cache.shape[-1]
@@ -229,6 +243,8 @@ def _tree_window(scores, v_cache, positions, tree_mask, blk: int, dt) -> _TreeWi
     src = jnp.where(on_path, start[:, None, None] + src_rel, slot[:, None, :])  # [B, T, W] physical slots
     src = jnp.clip(src, w0[:, None, None] * blk, (w0[:, None, None] + nw) * blk - 1)
     visible = (rel[:, None, :] < 0) | on_path  # [B, T, W]
+    if window is not None:
+        visible = visible & (slot[:, None, :] > positions[:, :, None] - window)
 
     by_query = scores.transpose(0, 1, 3, 2, 4).reshape(b, kv, g, t, nb * blk)
     sw = jnp.take_along_axis(by_query, jnp.broadcast_to(src[:, None, None], (b, kv, g, t, nw * blk)), axis=4)
@@ -246,9 +262,12 @@ def _tree_window(scores, v_cache, positions, tree_mask, blk: int, dt) -> _TreeWi
     return _TreeWindow(outside, sw, vw, w0, (b, t, g))
 
 
-def cache_attention(q, k_cache, v_cache, positions, cfg: ModelConfig, tree_mask=None):
+def cache_attention(q, k_cache, v_cache, positions, cfg: ModelConfig, tree_mask=None, window: int | None = None):
     """Causal GQA attention of ``q [B, T, H, hd]`` over this row's cache ``[B, KV, S, hd]``:
-    the query at position t sees slots ≤ t. Returns float32 ``[B, T, H·hd]``.
+    the query at position t sees slots ≤ t (and with a sliding ``window`` W only slots > t − W,
+    transformers' rule; a tree node's window counts from its own position). Scores are scaled by
+    :meth:`~specjax.models.config.ModelConfig.attention_scale` and soft-capped with
+    ``cfg.attn_logit_softcapping`` (Gemma 2) before the mask. Returns float32 ``[B, T, H·hd]``.
 
     With ``tree_mask`` (bool ``[B, T, T]``, see :func:`specjax.models.llama.decoder_block`): tree attention — query j
     sees the committed prefix (slots < ``positions[:, 0]``) and the new tokens i with
@@ -279,29 +298,37 @@ def cache_attention(q, k_cache, v_cache, positions, cfg: ModelConfig, tree_mask=
     kb = k_cache.reshape(b, kv, nb, blk, hd)
     vb = v_cache.reshape(b, kv, nb, blk, hd)
     scores = jnp.einsum("bkmd,bknsd->bknms", qg.astype(dt), kb.astype(dt),
-                        preferred_element_type=jnp.float32) * (1.0 / math.sqrt(hd))
+                        preferred_element_type=jnp.float32) * cfg.attention_scale()
+    if cfg.attn_logit_softcapping is not None:
+        cap = cfg.attn_logit_softcapping
+        scores = jnp.tanh(scores / cap) * cap
     slots = jnp.arange(nb * blk, dtype=jnp.int32).reshape(nb, 1, blk)
-    window = None
+    qpos = jnp.broadcast_to(positions[:, None, :], (b, h // kv, t)).reshape(b, 1, 1, (h // kv) * t, 1)
+    tw = None
     if tree_mask is None:
-        qpos = jnp.broadcast_to(positions[:, None, :], (b, h // kv, t)).reshape(b, 1, 1, (h // kv) * t, 1)
         visible = slots[None, None] <= qpos  # [B, 1, NB, G·T, blk]
     elif dt == jnp.float32:
         visible = _tree_visible(tree_mask, positions[:, 0], h // kv, nb, blk)
-    else:  # the prefix outside the window here; the window's blocks per query (_tree_window)
-        window = _tree_window(scores, v_cache, positions, tree_mask, blk, dt)
-        visible = window.outside[:, None, :, None, :]  # [B, 1, NB, 1, blk]
+    else:  # the prefix outside the tree window here; the tree window's blocks per query (_tree_window)
+        tw = _tree_window(scores, v_cache, positions, tree_mask, blk, dt, window)
+        visible = tw.outside[:, None, :, None, :]  # [B, 1, NB, 1, blk]
+    if window is not None:  # a slot's position is the slot, except a tree's new tokens (float32 path)
+        slot_pos = slots[None, None]
+        if tree_mask is not None and tw is None:
+            slot_pos = _tree_slot_positions(positions, nb, blk)
+        visible = visible & (slot_pos > qpos - window)
     scores = jnp.where(visible, scores, -jnp.inf)
-    # exact; slot 0 is always visible. Not jnp.max: see pairwise_max (the exp below must not
-    # land in a library fusion in one program and not in another)
+    # exact; the query's own slot is always visible. Not jnp.max: see pairwise_max (the exp below
+    # must not land in a library fusion in one program and not in another)
     m = pairwise_max(pairwise_max(scores, axis=-1), axis=2)[:, :, None, :, None]  # [B, KV, 1, G·T, 1]
-    if window is not None:
-        m = jnp.maximum(m, window.max())
+    if tw is not None:
+        m = jnp.maximum(m, tw.max())
     e = jnp.where(visible, jnp.exp(scores - m), 0.0).astype(dt)
-    if window is None:
+    if tw is None:
         denom = pairwise_sum(pairwise_sum(e.astype(jnp.float32), axis=-1), axis=2)  # [B, KV, G·T]
         part = jnp.einsum("bknms,bknsd->bknmd", e, vb.astype(dt), preferred_element_type=jnp.float32)
     else:  # per block: the blocks outside the window, plus the window's (exact zeros elsewhere)
-        block_sums, part = window.add_to(
+        block_sums, part = tw.add_to(
             pairwise_sum(e.astype(jnp.float32), axis=-1),
             jnp.einsum("bknms,bknsd->bknmd", e, vb.astype(dt), preferred_element_type=jnp.float32), m)
         denom = pairwise_sum(block_sums, axis=2)

@@ -4,7 +4,8 @@
 Supported: the Llama family as Hugging Face defines it — ``LlamaForCausalLM``
 (Llama 2/3, SmolLM2, incl. ``llama3`` and ``linear`` RoPE scaling),
 ``MistralForCausalLM``, ``Qwen2ForCausalLM`` (q/k/v bias) and ``Qwen3ForCausalLM``
-(per-head RMSNorm of q and k before RoPE, ``head_dim`` independent of the width). Anything that would
+(per-head RMSNorm of q and k before RoPE, ``head_dim`` independent of the width), and the Gemma 2
+and Gemma 3 text models (``Gemma2ForCausalLM``, ``Gemma3ForCausalLM``: see :data:`GEMMA_TYPES`). Anything that would
 change the math in a way this implementation does not follow raises
 :class:`UnsupportedModelError` instead of silently building a wrong model.
 """
@@ -26,10 +27,15 @@ class UnsupportedModelError(CheckpointError):
     """The checkpoint uses an architecture or feature specjax does not implement."""
 
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
 # What each family changes, named once (the block and the weight table read the config's fields):
-# qwen2: q/k/v biases; qwen3: per-head q/k RMSNorm (``qk_norm``), biases only if ``attention_bias``.
-QK_NORM_TYPES = ("qwen3",)
+# qwen2: q/k/v biases; qwen3: per-head q/k RMSNorm (``qk_norm``), biases only if ``attention_bias``;
+# gemma2 / gemma3_text (GEMMA_TYPES): embeddings × √D, norm weights stored as w for a (1 + w) multiplier,
+# GeGLU (tanh GELU), norms before AND after attention and MLP, query_pre_attn_scalar, soft-capped
+# attention and final logits (Gemma 2), sliding-window layers interleaved with global ones, and for
+# Gemma 3 per-head q/k norms and a separate RoPE base for the local (sliding) layers.
+QK_NORM_TYPES = ("qwen3", "gemma3_text")
+GEMMA_TYPES = ("gemma2", "gemma3_text")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +58,21 @@ class ModelConfig:
       tie_word_embeddings: LM head is the embedding matrix.
       attention_bias: q/k/v projections have a bias (Qwen2; Llama ``attention_bias``).
       attention_out_bias: output projection has a bias (Llama ``attention_bias``).
-      qk_norm: per-head RMSNorm of the queries and keys (weights ``[head_dim]``) before RoPE (Qwen3).
-      model_type: ``llama``, ``mistral``, ``qwen2`` or ``qwen3``.
+      qk_norm: per-head RMSNorm of the queries and keys (weights ``[head_dim]``) before RoPE (Qwen3, Gemma 3).
+      hidden_act: the MLP's gate activation: ``"silu"`` (SwiGLU) or ``"gelu_tanh"`` (GeGLU, Gemma).
+      sandwich_norms: RMSNorms also after attention and after the MLP, before each residual add (Gemma).
+      norm_weight_offset: Hugging Face checkpoints store each RMSNorm weight as multiplier − offset
+        (Gemma: 1.0, the ``(1 + w)`` norm); specjax keeps the multiplier (:mod:`specjax.io.hf` adds it).
+      scale_embeddings: token embeddings are multiplied by √hidden_size (float32) (Gemma).
+      query_pre_attn_scalar: attention scores scale as ``query_pre_attn_scalar ** -0.5`` (``None``:
+        ``head_dim ** -0.5``).
+      attn_logit_softcapping / final_logit_softcapping: ``cap · tanh(x / cap)`` on the attention
+        scores / the output logits (Gemma 2); ``None``: off.
+      sliding_window: W of the sliding-window layers (a query at position t sees keys at positions
+        > t − W, as transformers); ``sliding_layers``: those layers' indices (empty: none).
+      rope_local_theta: RoPE base of the sliding layers (Gemma 3; their RoPE is unscaled); ``None``:
+        every layer uses ``rope_theta`` and ``rope_scaling``.
+      model_type: one of :data:`SUPPORTED_MODEL_TYPES`.
       bos_token_id / eos_token_ids: special ids from the checkpoint (may be empty).
     """
 
@@ -72,6 +91,16 @@ class ModelConfig:
     attention_bias: bool = False
     attention_out_bias: bool = False
     qk_norm: bool = False
+    hidden_act: str = "silu"
+    sandwich_norms: bool = False
+    norm_weight_offset: float = 0.0
+    scale_embeddings: bool = False
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
+    rope_local_theta: float | None = None
     model_type: str = "llama"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -90,11 +119,27 @@ class ModelConfig:
         trained-for fingerprint hashes it). Fields added after fingerprints were first written
         (:data:`LATER_FIELDS`) are left out while at their default, so every model that existed
         before them keeps its fingerprint (and the drafters trained for it still load)."""
-        d = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()}
+        d = dataclasses.asdict(self)
         for name in LATER_FIELDS:
             if d[name] == _FIELD_DEFAULTS[name]:
                 del d[name]
-        return d
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items()}
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window W of block ``layer`` (``None``: global attention)."""
+        return self.sliding_window if layer in self.sliding_layers else None
+
+    def attention_scale(self) -> float:
+        """The factor on q·k: ``1 / √query_pre_attn_scalar``, else ``1 / √head_dim``."""
+        return 1.0 / math.sqrt(self.query_pre_attn_scalar or self.head_dim)
+
+    def layer_inv_freq(self, layer: int) -> np.ndarray:
+        """RoPE inverse frequencies of block ``layer``: a sliding layer of a model with
+        ``rope_local_theta`` uses that base unscaled; every other layer :meth:`rope_inv_freq`."""
+        if self.rope_local_theta is not None and layer in self.sliding_layers:
+            hd = self.head_dim
+            return (1.0 / (self.rope_local_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))).astype(np.float32)
+        return self.rope_inv_freq()
 
     def rope_inv_freq(self) -> np.ndarray:
         """RoPE inverse frequencies ``[head_dim // 2]`` float32, with ``rope_scaling`` applied
@@ -140,13 +185,20 @@ class ModelConfig:
                 f"mixture-of-experts layers ({experts or model_type}) are not supported; specjax implements "
                 f"dense decoders ({', '.join(SUPPORTED_MODEL_TYPES)})."
             )
+        if model_type == "gemma3" or "text_config" in cfg:
+            raise UnsupportedModelError(
+                f"multimodal checkpoints ({model_type}, architectures={archs}: a vision tower plus a language "
+                "model under text_config) are not supported yet; use a text-only checkpoint "
+                "(Gemma3ForCausalLM, model_type gemma3_text, e.g. gemma-3-1b-it)."
+            )
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
                 f"model_type={model_type!r} (architectures={archs}) is not supported; "
                 f"specjax implements {', '.join(SUPPORTED_MODEL_TYPES)} (Llama-family decoders)."
             )
+        gemma = _gemma_fields(cfg, model_type) if model_type in GEMMA_TYPES else {}
         act = cfg.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
+        if not gemma and act not in ("silu", "swish"):
             raise UnsupportedModelError(f"hidden_act={act!r} is not supported; only SwiGLU with silu is.")
         if cfg.get("mlp_bias", False):
             raise UnsupportedModelError("mlp_bias=true is not supported.")
@@ -157,14 +209,14 @@ class ModelConfig:
         # window, so cap the context there instead of implementing the window.
         window = cfg.get("sliding_window")
         uses_window = cfg.get("use_sliding_window", model_type == "mistral")
-        if uses_window and window is not None:
+        if uses_window and window is not None and not gemma:
             if model_type in ("qwen2", "qwen3") and cfg.get("max_window_layers", 0) < cfg["num_hidden_layers"]:
                 raise UnsupportedModelError(
                     f"{model_type} sliding-window attention on some layers (use_sliding_window=true) is not "
                     "supported; set use_sliding_window=false in config.json if the window is unused."
                 )
             max_pos = min(max_pos, int(window))
-        rope_theta, scaling = _rope_settings(cfg)
+        rope_theta, scaling = _rope_settings(cfg) if not gemma else (gemma.pop("rope_theta"), gemma.pop("scaling"))
         if scaling:
             kind = scaling.get("rope_type", scaling.get("type", "default"))
             if kind not in ("default", "linear", "llama3"):
@@ -195,14 +247,64 @@ class ModelConfig:
             attention_out_bias=bias,
             qk_norm=model_type in QK_NORM_TYPES,
             model_type=model_type,
+            **gemma,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
 
 
 # ModelConfig fields added after drafter fingerprints existed (see ModelConfig.identity); append, never remove.
-LATER_FIELDS = ("qk_norm",)
+LATER_FIELDS = ("qk_norm", "hidden_act", "sandwich_norms", "norm_weight_offset", "scale_embeddings",
+                "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "sliding_window",
+                "sliding_layers", "rope_local_theta")
 _FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+
+
+def _gemma_fields(cfg: Mapping[str, Any], model_type: str) -> dict:
+    """The Gemma 2 / Gemma 3 text fields of a HF config (the GEMMA_TYPES differences), with its RoPE
+    as ``rope_theta`` / ``scaling`` (the global layers') for :meth:`ModelConfig.from_hf_config`.
+
+    Raises:
+      UnsupportedModelError: another activation than tanh GELU, bidirectional attention, layer types
+        other than sliding/full, or a scaled RoPE on Gemma 3's local layers."""
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise UnsupportedModelError(f"{model_type} hidden_activation={act!r} is not supported; only the tanh "
+                                    "GELU (gelu_pytorch_tanh) is.")
+    if cfg.get("use_bidirectional_attention"):
+        raise UnsupportedModelError(f"{model_type} use_bidirectional_attention=true (an encoder) is not supported.")
+    n = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types")
+    if types is None:  # configs before transformers 4.53: the fixed pattern
+        every = 2 if model_type == "gemma2" else int(cfg.get("sliding_window_pattern", 6))
+        types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)]
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if unknown or len(types) != n:
+        raise UnsupportedModelError(f"{model_type} layer_types {unknown or types} are not supported (sliding_attention "
+                                    f"and full_attention, one per layer).")
+    window = cfg.get("sliding_window")
+    sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention") if window else ()
+    local = None
+    params = cfg.get("rope_parameters")
+    if model_type == "gemma3_text" and isinstance(params, Mapping) and all(isinstance(v, Mapping)
+                                                                           for v in params.values()):
+        slide = dict(params.get("sliding_attention") or {})
+        if slide.get("rope_type", "default") != "default":
+            raise UnsupportedModelError(f"gemma3 local-layer RoPE type {slide.get('rope_type')!r} is not supported "
+                                        "(default only).")
+        local = float(slide.get("rope_theta", 10000.0))
+        theta, scaling = _rope_settings({"rope_parameters": dict(params.get("full_attention") or {})})
+    else:
+        theta, scaling = _rope_settings(cfg)
+        if model_type == "gemma3_text":
+            local = float(cfg.get("rope_local_base_freq", 10000.0))
+    softcap = lambda k: None if cfg.get(k) is None else float(cfg[k])  # noqa: E731
+    return dict(hidden_act="gelu_tanh", sandwich_norms=True, norm_weight_offset=1.0, scale_embeddings=True,
+                query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or cfg.get("head_dim") or 256),
+                attn_logit_softcapping=softcap("attn_logit_softcapping"),
+                final_logit_softcapping=softcap("final_logit_softcapping"),
+                sliding_window=int(window) if window else None, sliding_layers=sliding, rope_local_theta=local,
+                rope_theta=theta, scaling=scaling)
 
 
 def _rope_settings(cfg: Mapping[str, Any]) -> tuple[float, dict | None]:

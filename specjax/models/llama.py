@@ -33,6 +33,7 @@ per call); KV cache ``[batch, kv_heads, max_len, head_dim]`` per layer.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Mapping, NamedTuple
 
 import jax
@@ -66,8 +67,10 @@ def decoder_block(
     cfg: ModelConfig,
     inv_freq=None,
     tree_mask: Bool[Array, "batch seq seq"] | None = None,
+    window: int | None = None,
 ) -> tuple[Float[Array, "batch seq hidden"], jax.Array, jax.Array]:
-    """One decoder block (pre-norm GQA attention with RoPE, then SwiGLU MLP) on the residual
+    """One decoder block (pre-norm GQA attention with RoPE, then SwiGLU MLP; Gemma: GeGLU and the
+    sandwich norms ``attn_post_norm`` / ``mlp_post_norm`` after each sub-layer) on the residual
     stream ``h``, writing its K/V into this block's cache arrays.
 
     Args:
@@ -84,7 +87,9 @@ def decoder_block(
         depth 0), so slot ≠ position for a tree.
       k_cache, v_cache: ``[B, KV, S, hd]`` this block's cache arrays (any float dtype).
       cfg: heads, head_dim, RoPE and RMSNorm epsilon.
-      inv_freq: ``cfg.rope_inv_freq()`` if already computed (``[hd/2]``).
+      inv_freq: this block's RoPE frequencies ``[hd/2]`` (default ``cfg.rope_inv_freq()``; a model
+        with per-layer RoPE passes ``cfg.layer_inv_freq(i)``).
+      window: this block's sliding window W (``cfg.layer_window(i)``; ``None``: global attention).
       tree_mask: ``None`` (causal attention, as above), or bool ``[B, T, T]`` for tree attention
         (SpecInfer, Miao et al. 2024, "tree-based parallel decoding"; EAGLE-2, Li et al. 2024):
         token j sees the committed prefix (slots < ``positions[:, 0]``) and the new tokens i with
@@ -121,12 +126,18 @@ def decoder_block(
     kc = write_kv(k_cache, k.transpose(0, 2, 1, 3), starts)
     vc = write_kv(v_cache, v.transpose(0, 2, 1, 3), starts)
     a = cache_attention(q if p["w_qkv"].dtype == jnp.float32 else q.astype(jnp.bfloat16), kc, vc, positions, cfg,
-                   tree_mask=tree_mask)
-    h = h + lin(a, "wo", "bo")
+                        tree_mask=tree_mask, window=window)
+    h = h + _post_norm(lin(a, "wo", "bo"), p, "attn_post_norm", cfg)
     x = rms_norm(h, p["mlp_norm"], cfg.rms_norm_eps)
     gate_up = lin(x, "w_gate_up")  # [B, T, 2, F]
-    h = h + lin(jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1], "w_down")
+    act = jax.nn.silu if cfg.hidden_act == "silu" else partial(jax.nn.gelu, approximate=True)
+    h = h + _post_norm(lin(act(gate_up[:, :, 0]) * gate_up[:, :, 1], "w_down"), p, "mlp_post_norm", cfg)
     return h, kc, vc
+
+
+def _post_norm(x, p, name: str, cfg: ModelConfig):
+    """``x`` through the sandwich norm ``name`` when the block has it (Gemma), else unchanged."""
+    return rms_norm(x, p[name], cfg.rms_norm_eps) if name in p else x
 
 
 class Output(NamedTuple):
@@ -193,12 +204,14 @@ def check_feature_layers(feature_layers, cfg: ModelConfig) -> tuple[int, ...]:
 def run_blocks(graphdef, params, tokens, positions, cache, cfg, tree_mask=None, feature_layers=()):
     """The blocks and final norm: ``(final hidden [B, T, D], cache, fused features or None)`` (:func:`forward`)."""
     model = nnx.merge(graphdef, params)
-    inv_freq = jnp.asarray(cfg.rope_inv_freq())
-    h = embed_tokens(model, tokens)
+    inv_freq = {}  # per distinct RoPE (one, or a global and a local one)
+    h = embed_tokens(model, tokens, cfg)
     new_k, new_v, picked = [], [], {}
     for i, layer in enumerate(model.layers):
-        h, kc, vc = decoder_block(module_arrays(layer), h, positions, cache.k[i], cache.v[i], cfg, inv_freq=inv_freq,
-                                  tree_mask=tree_mask)
+        freq = cfg.layer_inv_freq(i)
+        inv = inv_freq.setdefault(freq.tobytes(), jnp.asarray(freq))
+        h, kc, vc = decoder_block(module_arrays(layer), h, positions, cache.k[i], cache.v[i], cfg, inv_freq=inv,
+                                  tree_mask=tree_mask, window=cfg.layer_window(i))
         new_k.append(kc)
         new_v.append(vc)
         if i in feature_layers:
@@ -209,16 +222,21 @@ def run_blocks(graphdef, params, tokens, positions, cache, cfg, tree_mask=None, 
 
 
 def lm_head(graphdef, params, hidden: Float[Array, "... hidden"], cfg: ModelConfig) -> Float[Array, "... vocab"]:
-    """Logits float32 ``[..., vocab]`` from final hidden states ``[..., hidden]``."""
+    """Logits float32 ``[..., vocab]`` from final hidden states ``[..., hidden]`` (soft-capped as
+    ``cap · tanh(logits / cap)`` with ``cfg.final_logit_softcapping``, Gemma 2)."""
     model = nnx.merge(graphdef, params)
     if cfg.tie_word_embeddings:
         # contracting the untransposed [V, D] embedding: `embed.T` would copy it every call
-        return matmul(hidden, model.embed[...], param_or_none(model, "embed_scale"), transposed=True)
-    return matmul(hidden, model.lm_head[...], param_or_none(model, "lm_head_scale"))
+        logits = matmul(hidden, model.embed[...], param_or_none(model, "embed_scale"), transposed=True)
+    else:
+        logits = matmul(hidden, model.lm_head[...], param_or_none(model, "lm_head_scale"))
+    cap = cfg.final_logit_softcapping
+    return logits if cap is None else jnp.tanh(logits / cap) * cap
 
 
-def embed_tokens(model, tokens):
-    """Embedding rows of ``tokens [B, T]`` → float32 ``[B, T, D]`` (dequantized in int8)."""
+def embed_tokens(model, tokens, cfg: ModelConfig | None = None):
+    """Embedding rows of ``tokens [B, T]`` → float32 ``[B, T, D]`` (dequantized in int8; × √D in
+    float32 when ``cfg.scale_embeddings``, Gemma)."""
     e = jnp.take(model.embed[...], tokens, axis=0)
     if e.dtype != jnp.float32:
         # Without the barrier XLA hoists the convert above the gather and converts the
@@ -228,6 +246,8 @@ def embed_tokens(model, tokens):
     scale = param_or_none(model, "embed_scale")
     if scale is not None:
         e = e * jnp.take(scale, tokens, axis=0)[..., None]
+    if cfg is not None and cfg.scale_embeddings:
+        e = e * jnp.float32(cfg.hidden_size ** 0.5)
     return e
 
 

@@ -40,10 +40,19 @@ FORMAT_DEFINITION = {
 class _Tensor:
     """What a checkpoint tensor has (shared by :class:`WeightSpec` and :class:`Part`)."""
 
-    def checkpoint_name(self, fmt: str, layer: int | None = None) -> str | None:
-        """The tensor's name in a ``"hf"`` or ``"gguf"`` checkpoint (``None``: it has none)."""
+    def checkpoint_name(self, fmt: str, layer: int | None = None, cfg: ModelConfig | None = None) -> str | None:
+        """The tensor's name in a ``"hf"`` or ``"gguf"`` checkpoint (``None``: it has none). A name
+        that differs by family is a function of the config (then ``cfg`` is needed)."""
         template = {"hf": self.hf_name, "gguf": self.gguf_name}[fmt]
+        if callable(template):
+            template = template(cfg)
         return None if template is None else template.format(i=layer)
+
+    def norm_offset(self, fmt: str, cfg: ModelConfig) -> float:
+        """What a ``fmt`` checkpoint's tensor lacks of specjax's value: ``cfg.norm_weight_offset``
+        for an RMSNorm weight in a Hugging Face checkpoint (Gemma stores w of a ``(1 + w)``
+        multiplier; llama.cpp's GGUF stores the multiplier), else 0."""
+        return cfg.norm_weight_offset if fmt == "hf" and getattr(self, "is_norm", False) else 0.0
 
     def transposed(self, fmt: str) -> bool:
         """Whether the ``"hf"``/``"gguf"`` tensor is the transpose of the specjax one."""
@@ -88,7 +97,8 @@ class WeightSpec(_Tensor):
       quant_axis: a matmul weight: stored in the weight format's matmul dtype, and in int8
         quantized per channel with a float32 ``<name>_scale`` reduced over this axis (the
         input dimension). ``None``: not a matmul weight (float32, or bf16 in ``bfloat16``).
-      hf_name: Hugging Face safetensors name; ``{i}`` is the layer index. ``None``: none.
+      hf_name: Hugging Face safetensors name; ``{i}`` is the layer index. ``None``: none. A
+        function of the config where families name the tensor differently.
       hf_transpose: the HF tensor is the transpose of the specjax one (``[out, in]``).
       gguf_name: llama.cpp GGUF name (``{i}``: layer); ``None``: the GGUF loader has none.
       gguf_transpose: the (dequantized) GGUF tensor is the transpose of the specjax one.
@@ -96,6 +106,7 @@ class WeightSpec(_Tensor):
         ``"num_kv_heads"``): llama.cpp permuted the rows of this tensor per head for the
         ``llama`` architecture (:func:`specjax.io.gguf.unpermute_qk`); ``None``: never.
       per_layer: one per decoder block (path ``("layers", i, name)``), else one per model.
+      is_norm: an RMSNorm weight (a Hugging Face checkpoint stores it less ``norm_weight_offset``).
       when: ``cfg -> bool``: the model has this weight only where true (``None``: always).
       tied_to: where ``when`` is false the weight IS this other one (the tied LM head is
         the embedding): a checkpoint's copy of it is skipped, not refused.
@@ -114,6 +125,7 @@ class WeightSpec(_Tensor):
     gguf_transpose: bool = False
     gguf_permute: str | None = None
     per_layer: bool = False
+    is_norm: bool = False
     when: Callable[[ModelConfig], bool] | None = None
     tied_to: str | None = None
     parts: tuple[Part, ...] = ()
@@ -165,7 +177,7 @@ _NONE = lambda c: ()  # noqa: E731
 WEIGHTS: tuple[WeightSpec, ...] = (
     WeightSpec("embed", lambda c: (c.vocab_size, c.hidden_size), ("vocab", None), quant_axis=1,
                hf_name="model.embed_tokens.weight", gguf_name="token_embd.weight"),
-    WeightSpec("attn_norm", lambda c: (c.hidden_size,), (None,), init="ones", per_layer=True,
+    WeightSpec("attn_norm", lambda c: (c.hidden_size,), (None,), init="ones", per_layer=True, is_norm=True,
                hf_name=_LAYER + "input_layernorm.weight", gguf_name="blk.{i}.attn_norm.weight"),
     WeightSpec("w_qkv", lambda c: _qkv(c, _D(c), _group(c) + 2), (None, "kv_heads", None, None), quant_axis=0,
                per_layer=True, concat_axis=2, parts=(
@@ -188,17 +200,26 @@ WEIGHTS: tuple[WeightSpec, ...] = (
                         gguf_permute="num_kv_heads"),
                    Part("bv", lambda c: (_kv_out(c),), lambda c: _qkv(c, (), 1),
                         hf_name=_LAYER + "self_attn.v_proj.bias", gguf_name="blk.{i}.attn_v.bias"))),
-    WeightSpec("q_norm", lambda c: (c.head_dim,), (None,), init="ones", per_layer=True, when=lambda c: c.qk_norm,
-               hf_name=_LAYER + "self_attn.q_norm.weight", gguf_name="blk.{i}.attn_q_norm.weight"),
-    WeightSpec("k_norm", lambda c: (c.head_dim,), (None,), init="ones", per_layer=True, when=lambda c: c.qk_norm,
-               hf_name=_LAYER + "self_attn.k_norm.weight", gguf_name="blk.{i}.attn_k_norm.weight"),
+    WeightSpec("q_norm", lambda c: (c.head_dim,), (None,), init="ones", per_layer=True, is_norm=True,
+               when=lambda c: c.qk_norm, hf_name=_LAYER + "self_attn.q_norm.weight",
+               gguf_name="blk.{i}.attn_q_norm.weight"),
+    WeightSpec("k_norm", lambda c: (c.head_dim,), (None,), init="ones", per_layer=True, is_norm=True,
+               when=lambda c: c.qk_norm, hf_name=_LAYER + "self_attn.k_norm.weight",
+               gguf_name="blk.{i}.attn_k_norm.weight"),
     WeightSpec("wo", lambda c: (_q_out(c), c.hidden_size), ("heads", None), quant_axis=0, per_layer=True,
                hf_name=_LAYER + "self_attn.o_proj.weight", hf_transpose=True,
                gguf_name="blk.{i}.attn_output.weight", gguf_transpose=True),
     WeightSpec("bo", lambda c: (c.hidden_size,), (None,), init="zeros", per_layer=True,
                when=lambda c: c.attention_out_bias, hf_name=_LAYER + "self_attn.o_proj.bias"),
-    WeightSpec("mlp_norm", lambda c: (c.hidden_size,), (None,), init="ones", per_layer=True,
-               hf_name=_LAYER + "post_attention_layernorm.weight", gguf_name="blk.{i}.ffn_norm.weight"),
+    WeightSpec("attn_post_norm", lambda c: (c.hidden_size,), (None,), init="ones", per_layer=True, is_norm=True,
+               when=lambda c: c.sandwich_norms, hf_name=_LAYER + "post_attention_layernorm.weight",
+               gguf_name="blk.{i}.post_attention_norm.weight"),
+    # the norm before the MLP: Llama calls it post_attention_layernorm, Gemma (whose
+    # post_attention_layernorm is attn_post_norm above) pre_feedforward_layernorm
+    WeightSpec("mlp_norm", lambda c: (c.hidden_size,), (None,), init="ones", per_layer=True, is_norm=True,
+               hf_name=lambda c: _LAYER + ("pre_feedforward_layernorm.weight" if c.sandwich_norms
+                                           else "post_attention_layernorm.weight"),
+               gguf_name="blk.{i}.ffn_norm.weight"),
     WeightSpec("w_gate_up", lambda c: (c.hidden_size, 2, c.intermediate_size), (None, None, "mlp"), quant_axis=0,
                per_layer=True, concat_axis=1, parts=(
                    Part("w_gate", lambda c: (c.hidden_size, c.intermediate_size),
@@ -212,7 +233,10 @@ WEIGHTS: tuple[WeightSpec, ...] = (
     WeightSpec("w_down", lambda c: (c.intermediate_size, c.hidden_size), ("mlp", None), quant_axis=0,
                per_layer=True, hf_name=_LAYER + "mlp.down_proj.weight", hf_transpose=True,
                gguf_name="blk.{i}.ffn_down.weight", gguf_transpose=True),
-    WeightSpec("final_norm", lambda c: (c.hidden_size,), (None,), init="ones",
+    WeightSpec("mlp_post_norm", lambda c: (c.hidden_size,), (None,), init="ones", per_layer=True, is_norm=True,
+               when=lambda c: c.sandwich_norms, hf_name=_LAYER + "post_feedforward_layernorm.weight",
+               gguf_name="blk.{i}.post_ffw_norm.weight"),
+    WeightSpec("final_norm", lambda c: (c.hidden_size,), (None,), init="ones", is_norm=True,
                hf_name="model.norm.weight", gguf_name="output_norm.weight"),
     WeightSpec("lm_head", lambda c: (c.hidden_size, c.vocab_size), (None, "vocab"), quant_axis=0,
                when=lambda c: not c.tie_word_embeddings, tied_to="embed",
@@ -280,7 +304,7 @@ def checkpoint_names(cfg: ModelConfig, fmt: str) -> dict[str, tuple[tuple, Weigh
     for spec in WEIGHTS:
         for i in (range(cfg.num_layers) if spec.per_layer else (None,)):
             for t in spec.tensors():
-                name = t.checkpoint_name(fmt, i)
+                name = t.checkpoint_name(fmt, i, cfg)
                 if name is not None:
                     out[name] = (spec.path(i, t.name), spec, t)
     return out
