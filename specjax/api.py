@@ -109,7 +109,8 @@ def load_drafter(spec: str | None, target: Model, dtype: str = "float32"):
     Args:
       spec: ``None``/``"none"`` (no drafter), ``"ngram"`` or ``"ngram:N"`` (prompt lookup,
         n-grams up to N), ``"default"`` (the trained drafter shipped for the default
-        model), ``"shipped:NAME"`` (any drafter shipped under ``models/``), a drafter directory written by ``specjax distill`` (``drafter.json``), or a
+        model), ``"shipped:NAME"`` (any drafter shipped under ``models/``), a drafter directory written by ``specjax distill`` (``drafter.json``), a
+        published EAGLE-3 head directory (:mod:`specjax.drafters.eagle3_head`), or a
         checkpoint path / hub id of a draft model with the target's tokenizer.
       target: the loaded target model (its tokenizer and vocab are checked).
 

@@ -182,6 +182,9 @@ class Drafter:
       feature_layers: the target blocks whose fused outputs it reads as ``context.target_hidden``
         (:func:`specjax.models.llama.target_features`, width ``len·D``); ``()``: the target's final
         hidden state (width D), which a drafter may also ignore.
+      raw_features: ``True``: the blocks of ``feature_layers`` are handed over RAW (the residual
+        streams as they are, concatenated) instead of each scaled to unit RMS (published EAGLE-3
+        heads were trained on raw streams, :mod:`specjax.drafters.eagle3_head`); ``False`` (default).
       proposes_trees: ``True``: it implements :meth:`propose_tree` for any top-k; ``False``: chains
         only (a tree of top-k 1 is decoded with its chain, :meth:`propose` with γ = D).
       always_proposes: ``num_valid`` is always γ (a model drafter without a confidence cut-off).
@@ -203,6 +206,7 @@ class Drafter:
     name: str
     params: Any
     feature_layers: tuple[int, ...] = ()
+    raw_features: bool = False
     proposes_trees: bool = False
     always_proposes: bool = False
     context_limit: int | None = None

@@ -136,14 +136,34 @@ class EagleDrafter(Drafter):
     def __eq__(self, other):
         return isinstance(other, EagleDrafter) and self._key() == other._key()
 
+    # ---- the network seams: a subclass with another network (a published EAGLE-3 head,
+    # specjax.drafters.eagle3_head) overrides these three and keeps the propose/tree machinery
+    def features_in(self, params, hid) -> jax.Array:
+        """The drafter's input feature ``[..., D]`` float32 from the target's ``hid [..., F]``
+        (:func:`input_features`)."""
+        return input_features(self.config, params, hid)
+
+    def net_forward(self, params, feats, tokens, positions, cache, tree_mask=None):
+        """The drafter network over T positions: ``(f [B, T, D], cache)`` (:func:`forward`)."""
+        return forward(self.config, params, feats, tokens, positions, cache, tree_mask=tree_mask)
+
+    def head_logits(self, params, feat, tbuf, tlen, vocab_size: int):
+        """Logits ``[M, V]`` over the target vocabulary for features ``feat [M, D]`` whose contexts
+        are ``tbuf [M, L]``, ``tlen [M]`` (the copy term's candidate is looked up there)."""
+        cfg = self.config
+        if cfg.copy_ngram:
+            cand, cn = lookup_candidate(tbuf, tlen, cfg.copy_ngram)
+            return full_logits(params, feat, vocab_size, cand, cn)
+        return full_logits(params, feat, vocab_size)
+
     def init_state(self, params, context: DraftContext, max_len: int):
         b, s = context.tokens.shape
-        h = input_features(self.config, params, context.target_hidden)  # [B, P, D] prompt features
+        h = self.features_in(params, context.target_hidden)  # [B, P, D] prompt features
         p = h.shape[1]
         cache = new_cache(self.config, b, max_len)
         feats = jnp.concatenate([jnp.zeros_like(h[:, :1]), h[:, :-1]], axis=1)
         pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-        _, cache = forward(self.config, params, feats, context.tokens[:, :p], pos, cache)
+        _, cache = self.net_forward(params, feats, context.tokens[:, :p], pos, cache)
         idx = jnp.clip(context.lengths - 2, 0, p - 1)
         h0 = jnp.take_along_axis(h, idx[:, None, None], axis=1)[:, 0]
         h0 = jnp.where((context.lengths >= 2)[:, None], h0, 0.0)
@@ -155,25 +175,16 @@ class EagleDrafter(Drafter):
         ``(f1 [B, D] the feature at position L − 1, the drafter cache, the features fed [B, W, D])``."""
         lengths = context.lengths
         n = context.last_accepted
-        hid = input_features(self.config, params, context.target_hidden)  # [B, γ+1, D] (a tree: [B, D+1, D])
+        hid = self.features_in(params, context.target_hidden)  # [B, γ+1, D] (a tree: [B, D+1, D])
         fresh = state["fresh"]
         hid = jnp.where(fresh[:, None, None], hid.at[:, 0].set(state["h0"]), hid)
         l0 = lengths - n - 1
         buf = context.tokens.shape[1]
         pos = l0[:, None] + jnp.arange(hid.shape[1], dtype=jnp.int32)
         toks = jnp.take_along_axis(context.tokens, jnp.minimum(pos, buf - 1), axis=1)
-        f, cache = forward(self.config, params, hid, toks, pos, state["cache"])
+        f, cache = self.net_forward(params, hid, toks, pos, state["cache"])
         f1 = jnp.take_along_axis(f, n[:, None, None], axis=1)[:, 0]  # position L-1
         return f1, cache, hid
-
-    def _logits(self, params, feat, tbuf, tlen, vocab_size: int):
-        """Logits ``[M, V]`` for features ``feat [M, D]`` whose contexts are ``tbuf [M, L]``,
-        ``tlen [M]`` (the copy term's candidate is looked up there)."""
-        cfg = self.config
-        if cfg.copy_ngram:
-            cand, cn = lookup_candidate(tbuf, tlen, cfg.copy_ngram)
-            return full_logits(params, feat, vocab_size, cand, cn)
-        return full_logits(params, feat, vocab_size)
 
     def _confidence(self, logits):
         """The drafter's confidence (largest probability at temperature 1) ``[...]``; ones when
@@ -192,7 +203,7 @@ class EagleDrafter(Drafter):
         rows = jnp.arange(lengths.shape[0])
 
         def draw(feat, key_col, tbuf, tlen):
-            logits = self._logits(params, feat, tbuf, tlen, vocab_size)
+            logits = self.head_logits(params, feat, tbuf, tlen, vocab_size)
             probs = context.sampling.process(logits)
             conf = self._confidence(logits)
             return jax.vmap(sample)(key_col, probs), (probs, conf)
@@ -204,7 +215,7 @@ class EagleDrafter(Drafter):
             tok, feat, cache, tbuf = carry
             i, key_col = inp
             p_ = (lengths - 1 + i)[:, None]
-            fo, cache = forward(cfg, params, feat[:, None], tok[:, None], p_, cache)
+            fo, cache = self.net_forward(params, feat[:, None], tok[:, None], p_, cache)
             if cfg.copy_ngram:  # the copy candidate sees the drafts so far
                 tbuf = tbuf.at[rows, jnp.minimum(lengths - 1 + i, buf - 1)].set(tok)
             nxt, probs = draw(fo[:, 0], key_col, tbuf, jnp.minimum(lengths + i, buf))
@@ -265,7 +276,7 @@ class EagleDrafter(Drafter):
                 probs = jnp.where((self._confidence(logits) >= self.min_confidence)[..., None], probs, 0.0)
             return probs
 
-        root_probs = ranked(self._logits(params, f1, context.tokens, lengths, vocab_size))
+        root_probs = ranked(self.head_logits(params, f1, context.tokens, lengths, vocab_size))
         feat_of = {"f": jnp.zeros((b, k + (d_max - 1) * k * k, hidden), jnp.float32)}  # per expanded candidate
 
         def expand(level, frontier, pool):
@@ -283,9 +294,9 @@ class EagleDrafter(Drafter):
             forest = DraftTree(ptok, jnp.broadcast_to(jnp.where(j % level == 0, -1, j - 1), (b, w * level)),
                                jnp.broadcast_to(j % level + 1, (b, w * level)), jnp.ones((b, w * level), bool),
                                None, level, w)
-            fo, _ = forward(cfg, params, jnp.concatenate([h_root[:, None], feats.reshape(b, w * level, hidden)], 1),
-                            jnp.concatenate([root_tok, ptok], axis=1), positions(forest, lengths), cache,
-                            tree_mask=block_attention_mask(forest))
+            fo, _ = self.net_forward(params, jnp.concatenate([h_root[:, None], feats.reshape(b, w * level, hidden)], 1),
+                                     jnp.concatenate([root_tok, ptok], axis=1), positions(forest, lengths), cache,
+                                     tree_mask=block_attention_mask(forest))
             f_front = fo[:, level::level]  # [B, W]: each lane's last node (block index (w+1)·level)
             feat_of["f"] = jax.vmap(lambda a, i, v: a.at[i].set(v))(feat_of["f"], frontier, f_front)
             tb = tlen = None
@@ -297,7 +308,7 @@ class EagleDrafter(Drafter):
                     tb = tb.at[jnp.arange(b)[:, None], jnp.arange(w)[None, :], slot[:, None]].set(steps[:, :, i])
                 tb = tb.reshape(b * w, buf)
                 tlen = jnp.repeat(jnp.minimum(lengths + level, buf), w)
-            logits = self._logits(params, f_front.reshape(b * w, hidden), tb, tlen, vocab_size)
+            logits = self.head_logits(params, f_front.reshape(b * w, hidden), tb, tlen, vocab_size)
             return ranked(logits).reshape(b, w, vocab_size)
 
         tree, _ = build_dynamic_tree(root_probs, expand, depth=d_max, children=k, expand_width=k,

@@ -12,6 +12,8 @@ A ``--draft`` value is ``none`` (no drafter) or belongs to the first kind of :da
 - ``block``: a block (DFlash-style parallel) drafter directory (``block_drafter.json``,
   :class:`~specjax.drafters.block.BlockDrafter`): one drafter pass per round;
 - ``eagle``: a drafter directory written by ``specjax distill`` (``drafter.json``);
+- ``eagle3-head``: a published EAGLE-3 head directory (``config.json`` naming ``LlamaForCausalLMEagle3``;
+  EAGLE authors / SpecForge / AngelSlim layout, :mod:`specjax.drafters.eagle3_head`);
 - ``model``: a draft-model checkpoint (a directory with ``config.json``, a ``.gguf`` file) or a hub
   id — it takes every path or hub id the kinds before it did not (keep it last).
 
@@ -31,6 +33,8 @@ from specjax.core.drafting import MAX_NGRAM, Drafter
 from specjax.drafters import block, eagle
 from specjax.drafters.block import BlockDrafter
 from specjax.drafters.eagle import EagleDrafter
+from specjax.drafters.eagle3_head import Eagle3HeadDrafter
+from specjax.drafters.eagle3_head_files import check_head_dir, is_head_dir, load_head
 from specjax.drafters.model import ModelDrafter
 from specjax.drafters.ngram import NgramDrafter
 
@@ -109,6 +113,14 @@ def _load_block(spec: str, target, dtype: str) -> BlockDrafter:
     return block.load_drafter(path, target, dtype=dtype, name=os.path.basename(os.path.normpath(path)))
 
 
+def _load_head(spec: str, target, dtype: str) -> Eagle3HeadDrafter:
+    return load_head(os.path.expanduser(spec), target, dtype=dtype)
+
+
+def _check_head(spec: str) -> None:
+    check_head_dir(spec)
+
+
 # --------------------------------------------------------------------------- shipped:NAME
 def shipped_names() -> list[str]:
     """The drafters shipped inside the package (``models/``, installed as ``specjax.shipped_models``):
@@ -168,6 +180,8 @@ KINDS: dict[str, DrafterKind] = {k.name: k for k in (
                 trainer="specjax.train.block_distill:run"),
     DrafterKind("eagle", "a drafter from specjax distill", EagleDrafter, lambda s: _has_file(s, "drafter.json"),
                 _no_check, load=_load_eagle, marker="drafter.json", trainer="specjax.train.distill:run"),
+    DrafterKind("eagle3-head", "a published EAGLE-3 head", Eagle3HeadDrafter, is_head_dir, _check_head,
+                load=_load_head),  # before model: a head's directory has a config.json too
     DrafterKind("model", "a draft model", ModelDrafter, _is_model, _check_model, marker="config.json"),  # keep last
 )}
 

@@ -21,7 +21,9 @@ import numpy as np
 
 from specjax.core.drafting import DraftContext
 from specjax.drafters.model import fit_vocab
-from specjax.eval.common import draft_call, draft_init, features_of, sampling_params, sampling_key, target_call
+from specjax.eval.common import (
+    draft_call, draft_init, features_of, raw_features_of, sampling_params, sampling_key, target_call,
+)
 from specjax.eval.speedup import progress_bar
 from specjax.models import llama
 from specjax.runtime.decoder import BUFFER_BUCKET, Decoder, Program, round_up, prompt_bucket, seed_key
@@ -41,24 +43,29 @@ def _cache_dtype(target) -> Any:
 
 
 # --------------------------------------------------------------------------- teacher forcing
-def _teacher(graphdef, cfg, params, tokens, starts, sampling, width, vocab, cache_dtype, feature_layers=()):
+def _teacher(graphdef, cfg, params, tokens, starts, sampling, width, vocab, cache_dtype, feature_layers=(),
+             raw_features=False):
     """One teacher-forced forward over ``tokens [B, L]``: processed next-token distributions
     ``[B, width, vocab]`` at positions ``starts + arange(width)``, and the final hidden
     states ``[B, L, D]`` (with ``feature_layers``: the fused features a drafter reads)."""
     b, length = tokens.shape
     cache = llama.KVCache.create(cfg, b, length, cache_dtype)
     pos = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
-    hidden, _, feats = llama.run_blocks(graphdef, params, tokens, pos, cache, cfg, feature_layers=feature_layers)
+    hidden, _, feats = llama.run_blocks(graphdef, params, tokens, pos, cache, cfg, feature_layers=feature_layers,
+                                        raw_features=raw_features)
     idx = jnp.clip(starts[:, None] + jnp.arange(width, dtype=jnp.int32), 0, length - 1)
     h = jnp.take_along_axis(hidden, idx[:, :, None], axis=1)
     logits = fit_vocab(llama.lm_head(graphdef, params, h, cfg), vocab)
     return sampling.process(logits), (feats if feature_layers else hidden)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "width", "vocab", "cache_dtype", "feature_layers"))
-def _teacher_probs(graphdef, cfg, params, tokens, starts, sampling, width, vocab, cache_dtype, feature_layers=()):
+@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "width", "vocab", "cache_dtype", "feature_layers",
+                                             "raw_features"))
+def _teacher_probs(graphdef, cfg, params, tokens, starts, sampling, width, vocab, cache_dtype, feature_layers=(),
+                   raw_features=False):
     """:func:`_teacher` (jitted)."""
-    return _teacher(graphdef, cfg, params, tokens, starts, sampling, width, vocab, cache_dtype, feature_layers)
+    return _teacher(graphdef, cfg, params, tokens, starts, sampling, width, vocab, cache_dtype, feature_layers,
+                    raw_features)
 
 
 @functools.partial(jax.jit, static_argnames=("tg", "tcfg", "dg", "dcfg", "width", "tdt", "ddt"))
@@ -200,7 +207,8 @@ def _betas_proposed(target, drafter, tok, starts, counts, width, sp_kw, seed, pr
     for i in progress_bar(range(len(tok)), "alpha", total=len(tok), enabled=progress):
         row = tok[i: i + 1]
         p, hidden = _teacher_probs(target.graphdef, target.config, target.params, jnp.asarray(row),
-                                   jnp.asarray([starts[i]], np.int32), sp1, width, vocab, tdt, features_of(drafter))
+                                   jnp.asarray([starts[i]], np.int32), sp1, width, vocab, tdt, features_of(drafter),
+                                   raw_features_of(drafter))
         lengths = np.clip(starts[i] + 1 + np.arange(width), 1, length - 1).astype(np.int32)
         buf = jnp.asarray(np.repeat(row, width, axis=0))
         beta, proposed = _betas_generic(drafter, drafter.params, p[0], hidden[0], buf, jnp.asarray(lengths), spw,
@@ -245,7 +253,7 @@ def _alpha_summary(prompts, betas) -> dict:
 
 # --------------------------------------------------------------------------- along the target's decoded continuation
 def _continuation(target, progs: dict, ids: Sequence[int], n_new: int, sp, rng, eos: set,
-                  feature_layers: tuple[int, ...] = ()) -> tuple:
+                  feature_layers: tuple[int, ...] = (), raw_features: bool = False) -> tuple:
     """The target's own continuation of ``ids``, decoded with :func:`target_call` on a KV
     cache of ``progs[0]``'s buffer (the autoregressive program's): the prompt in one call over
     its padded bucket, as the Decoder's prefill writes it (in bfloat16/int8 a prompt fed token
@@ -266,7 +274,7 @@ def _continuation(target, progs: dict, ids: Sequence[int], n_new: int, sp, rng, 
         t = len(tokens)
         probs, h, box[0] = target_call(target.graphdef, cfg, target.params, jnp.asarray([tokens], jnp.int32),
                                         jnp.asarray([np.arange(start, start + t)], jnp.int32), box[0], sp,
-                                        None, feature_layers)
+                                        None, feature_layers, raw_features)
         return probs[0], np.asarray(h[0], np.float32)
 
     plen = len(ids)
@@ -345,7 +353,8 @@ def alpha_by_decoding(target, drafter, prompts: Sequence[dict], progs: dict, set
     betas, by_slot, conts = [], [], []
     for i, rec in enumerate(prompts):
         rng = None if settings.temperature == 0 else np.random.default_rng([int(settings.seed), i])
-        new, p, hidden = _continuation(target, progs, rec["ids"], new_tokens, sp, rng, eos, features_of(drafter))
+        new, p, hidden = _continuation(target, progs, rec["ids"], new_tokens, sp, rng, eos, features_of(drafter),
+                                       raw_features_of(drafter))
         keys = np.random.default_rng([int(settings.seed), i, 1])
         b = _betas_first_proposal(target.config, drafter, progs[slots], rec["ids"], new, p, hidden, sp, keys, slots)
         betas.append(b if slots == 1 else b[:, 0])

@@ -58,16 +58,23 @@ def features_of(drafter) -> tuple[int, ...]:
     return tuple(drafter.feature_layers) if drafter is not None else ()
 
 
+def raw_features_of(drafter) -> bool:
+    """Whether ``drafter`` reads its feature blocks unnormalized (its ``raw_features``)."""
+    return bool(drafter.raw_features) if drafter is not None else False
+
+
 # --------------------------------------------------------------------------- the loop's calls
-@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "feature_layers"), donate_argnames=("cache",))
-def target_call(graphdef, cfg, params, tokens, positions, cache, sampling, tree_mask=None, feature_layers=()):
+@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "feature_layers", "raw_features"),
+                   donate_argnames=("cache",))
+def target_call(graphdef, cfg, params, tokens, positions, cache, sampling, tree_mask=None, feature_layers=(),
+                raw_features=False):
     """One target call as the loop makes it: ``llama.apply`` over ``tokens [B, T]`` (with
     ``tree_mask [B, T, T]`` for a verification block: :func:`specjax.runtime.loop.verification_mask`
     for a chain, ``tree.block_attention_mask`` for a tree; ``None`` for a prefill or one token),
     then ``SamplingParams.process``: ``(p [B, T, V], hidden [B, T, D], cache)`` (``hidden``: the fused
-    features of ``feature_layers`` when given)."""
+    features of ``feature_layers`` when given, unnormalized with ``raw_features``)."""
     out = llama.apply(graphdef, params, tokens, positions, cache, cfg, return_hidden=True, tree_mask=tree_mask,
-                      feature_layers=feature_layers)
+                      feature_layers=feature_layers, raw_features=raw_features)
     return sampling.process(out.logits), out.hidden, out.cache
 
 

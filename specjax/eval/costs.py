@@ -197,7 +197,7 @@ def target_case(target, prog: Program, b: int, t: int, pos0: int, sp):
 
     def run():
         probs, _, box[0] = target_call(target.graphdef, cfg, target.params, toks, pos, box[0], sp, mask,
-                                        prog.feature_layers)
+                                        prog.feature_layers, prog.raw_features)
         jax.block_until_ready(probs)
     return run
 
@@ -254,7 +254,7 @@ def _tree_target_case(target, prog: Program, b: int, shape, pos0: int, sp):
 
     def run():
         probs, _, box[0] = target_call(target.graphdef, cfg, target.params, toks, pos, box[0], sp, mask,
-                                        prog.feature_layers)
+                                        prog.feature_layers, prog.raw_features)
         jax.block_until_ready(probs)
     return run
 

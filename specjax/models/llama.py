@@ -155,6 +155,7 @@ def forward(
     cfg: ModelConfig,
     tree_mask: Bool[Array, "batch seq seq"] | None = None,
     feature_layers: tuple[int, ...] = (),
+    raw_features: bool = False,
 ) -> tuple[Float[Array, "batch seq hidden"], KVCache]:
     """Run the decoder blocks and final norm; write K/V of ``tokens`` into ``cache``.
 
@@ -169,21 +170,25 @@ def forward(
         :func:`compact_tree_cache` for the accepted path's K/V afterwards.
 
       feature_layers: with block indices, return :func:`target_features` of those blocks
-        instead of the final hidden state (EAGLE-3's fused low/mid/high features).
+        instead of the final hidden state (EAGLE-3's fused low/mid/high features); ``raw_features``:
+        those block outputs unnormalized (:func:`target_features` with ``raw``).
 
     Returns:
       ``(hidden [B, T, D] float32 after the final RMSNorm, updated cache)``; with
       ``feature_layers``: ``(features [B, T, len(feature_layers)·D], updated cache)``.
     """
-    h, cache, feats = run_blocks(graphdef, params, tokens, positions, cache, cfg, tree_mask, feature_layers)
+    h, cache, feats = run_blocks(graphdef, params, tokens, positions, cache, cfg, tree_mask, feature_layers,
+                                 raw_features)
     return (feats if feature_layers else h), cache
 
 
-def target_features(block_outputs: list[jax.Array], eps: float) -> jax.Array:
+def target_features(block_outputs: list[jax.Array], eps: float, raw: bool = False) -> jax.Array:
     """The feature a fused-feature drafter reads (EAGLE-3, Li et al. 2025, Sec. 3.2): the residual
     streams after the chosen blocks, each scaled to unit RMS (no weight: the streams of different
     depths differ in scale by orders of magnitude), concatenated: ``[..., len(block_outputs)·D]``
-    float32."""
+    float32. ``raw``: the streams as they are, concatenated (what published EAGLE-3 heads read)."""
+    if raw:
+        return jnp.concatenate(block_outputs, axis=-1)
     return jnp.concatenate([x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
                             for x in block_outputs], axis=-1)
 
@@ -201,8 +206,9 @@ def check_feature_layers(feature_layers, cfg: ModelConfig) -> tuple[int, ...]:
     return out
 
 
-def run_blocks(graphdef, params, tokens, positions, cache, cfg, tree_mask=None, feature_layers=()):
-    """The blocks and final norm: ``(final hidden [B, T, D], cache, fused features or None)`` (:func:`forward`)."""
+def run_blocks(graphdef, params, tokens, positions, cache, cfg, tree_mask=None, feature_layers=(), raw_features=False):
+    """The blocks and final norm: ``(final hidden [B, T, D], cache, fused features or None)`` (:func:`forward`;
+    ``raw_features``: the features unnormalized, :func:`target_features`)."""
     model = nnx.merge(graphdef, params)
     inv_freq = {}  # per distinct RoPE (one, or a global and a local one)
     h = embed_tokens(model, tokens, cfg)
@@ -216,7 +222,8 @@ def run_blocks(graphdef, params, tokens, positions, cache, cfg, tree_mask=None, 
         new_v.append(vc)
         if i in feature_layers:
             picked[i] = h
-    feats = target_features([picked[i] for i in feature_layers], cfg.rms_norm_eps) if feature_layers else None
+    feats = (target_features([picked[i] for i in feature_layers], cfg.rms_norm_eps, raw_features)
+             if feature_layers else None)
     h = rms_norm(h, model.final_norm[...], cfg.rms_norm_eps)
     return h, KVCache(k=new_k, v=new_v, lengths=cache.lengths), feats
 
@@ -261,14 +268,15 @@ def apply(
     return_hidden: bool = False,
     tree_mask: Bool[Array, "batch seq seq"] | None = None,
     feature_layers: tuple[int, ...] = (),
+    raw_features: bool = False,
 ) -> Output:
     """Full model: ``Output(logits [B, T, V] float32, cache, hidden [B, T, D] or None)``; with
     ``return_hidden`` and ``feature_layers``, ``hidden`` is the fused feature
-    ``[B, T, len(feature_layers)·D]`` (:func:`target_features`).
+    ``[B, T, len(feature_layers)·D]`` (:func:`target_features`; unnormalized with ``raw_features``).
 
     See :func:`forward` for the argument contract (``tree_mask``: tree attention).
     """
     h, cache, feats = run_blocks(graphdef, params, tokens, positions, cache, cfg, tree_mask,
-                           feature_layers if return_hidden else ())
+                           feature_layers if return_hidden else (), raw_features)
     logits = lm_head(graphdef, params, h, cfg)
     return Output(logits, cache, (feats if feature_layers else h) if return_hidden else None)

@@ -175,6 +175,16 @@ class Program:
         return tuple(self.drafter.feature_layers) if self.drafter is not None else ()
 
     @property
+    def raw_features(self) -> bool:
+        """Whether the drafter reads its blocks' outputs unnormalized (its ``raw_features``)."""
+        return bool(self.drafter.raw_features) if self.drafter is not None else False
+
+    @property
+    def feature_args(self) -> dict:
+        """The target call's feature arguments (``llama.apply(..., **prog.feature_args)``)."""
+        return {"feature_layers": self.feature_layers, "raw_features": self.raw_features}
+
+    @property
     def feature_size(self) -> int:
         """Width of ``target_hidden``: the final hidden state, or the fused features."""
         return self.cfg.hidden_size * max(1, len(self.feature_layers))
@@ -217,7 +227,7 @@ def _target_step(prog, tparams, st: DecodeState, inputs, with_hidden):
     pos = (st.lengths - 1)[:, None] + jnp.arange(t, dtype=jnp.int32)
     mask = verification_mask(b, t)
     out = llama.apply(prog.graphdef, tparams, inputs, pos, st.target_cache, prog.cfg, return_hidden=with_hidden,
-                      tree_mask=mask, feature_layers=prog.feature_layers)
+                      tree_mask=mask, **prog.feature_args)
     sees = jnp.ones((b, 1, 0), bool) if mask is None else mask[:, :, 1:]
     z = penalized(st, out.logits, inputs[:, 1:], sees, jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)))
     return st.sampling.process(z), z, out.cache, out.hidden
@@ -493,7 +503,7 @@ def _tree_round(prog: Program, tparams, dparams, st: DecodeState) -> DecodeState
         inputs = jnp.concatenate([last, tree.tokens], axis=1)  # [B, N+1]
         mask = tree_ops.block_attention_mask(tree)  # [B, N+1, N+1]: a node sees its path
         out = llama.apply(prog.graphdef, tparams, inputs, tree_ops.positions(tree, st.lengths), st.target_cache,
-                          prog.cfg, return_hidden=True, tree_mask=mask, feature_layers=prog.feature_layers)
+                          prog.cfg, return_hidden=True, tree_mask=mask, **prog.feature_args)
         depth = jnp.concatenate([zeros[:, None], tree.depth], axis=1)
         z = penalized(st, out.logits, jnp.where(tree.valid, tree.tokens, -1), mask[:, :, 1:], depth)
         p = st.sampling.process(z)  # [B, N+1, V]

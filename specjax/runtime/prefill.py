@@ -40,7 +40,7 @@ def prefill(prog: Program, tparams, dparams, prompt, prompt_lengths, max_new, eo
     cache = llama.KVCache.create(prog.cfg, u, prog.buffer_len, jnp.dtype(prog.cache_dtype))
     pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (u, p))
     # K/V of every prompt slot (slots ≥ length-1 hold stale values that later writes replace)
-    h, cache = llama.forward(prog.graphdef, tparams, uprompt, pos, cache, prog.cfg, feature_layers=prog.feature_layers)
+    h, cache = llama.forward(prog.graphdef, tparams, uprompt, pos, cache, prog.cfg, **prog.feature_args)
     vocab = prog.cfg.vocab_size
     in_prompt = jnp.arange(p)[None, :] < prompt_lengths[:, None]
     seen = jnp.zeros((b, vocab), bool).at[jnp.arange(b)[:, None], jnp.where(in_prompt, prompt, vocab)].set(
