@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.drafters.eagle_params import block_weights, resolve_feature_layers
+from specjax.drafters.eagle_params import LayerDims, block_weights, resolve_feature_layers
 from specjax.models import llama
 from specjax.models.config import ModelConfig
 
@@ -40,7 +40,7 @@ TRAINABLE = ("fuse", "hidden_norm", "mask_embed", "layers", "out_norm")
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockConfig:
+class BlockConfig(LayerDims):
     """Static shape of a block drafter (hashable).
 
     layer: a :class:`ModelConfig` of the drafter's stack: ``num_layers`` blocks with the target's
@@ -61,16 +61,8 @@ class BlockConfig:
         return self.layer.num_layers
 
     @property
-    def hidden_size(self) -> int:
-        return self.layer.hidden_size
-
-    @property
     def feature_size(self) -> int:
         return self.layer.hidden_size * len(self.feature_layers)
-
-    @property
-    def max_position_embeddings(self) -> int:
-        return self.layer.max_position_embeddings
 
     def to_json(self) -> dict:
         l = self.layer

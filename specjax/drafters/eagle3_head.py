@@ -55,6 +55,7 @@ import jax.numpy as jnp
 
 from specjax.core.drafting import DraftContext
 from specjax.drafters.eagle import EagleDrafter
+from specjax.drafters.eagle_params import LayerDims
 from specjax.models import llama
 from specjax.models.config import ModelConfig
 
@@ -62,7 +63,7 @@ ARCHITECTURE = "LlamaForCausalLMEagle3"
 
 
 @dataclasses.dataclass(frozen=True)
-class Eagle3HeadConfig:
+class Eagle3HeadConfig(LayerDims):
     """Static shape of a published EAGLE-3 head (hashable).
 
     layer: a one-layer :class:`ModelConfig` with the head's width D, heads, head_dim, MLP width,
@@ -80,18 +81,6 @@ class Eagle3HeadConfig:
     target_hidden: int
 
     copy_ngram = 0  # EagleDrafter's propose reads it: no copy term
-
-    @property
-    def hidden_size(self) -> int:
-        return self.layer.hidden_size
-
-    @property
-    def vocab_size(self) -> int:
-        return self.layer.vocab_size
-
-    @property
-    def max_position_embeddings(self) -> int:
-        return self.layer.max_position_embeddings
 
     @property
     def feature_size(self) -> int:

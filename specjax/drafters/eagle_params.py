@@ -36,8 +36,27 @@ def layer_matmuls() -> tuple[str, ...]:
     return tuple(s.name for s in block_weights() if s.quant_axis is not None)
 
 
+class LayerDims:
+    """The sizes a drafter config reads from its ``layer`` (a :class:`ModelConfig`): width, the
+    target vocabulary, the context. Shared by every drafter config with a ``layer`` field."""
+
+    layer: ModelConfig
+
+    @property
+    def hidden_size(self) -> int:
+        return self.layer.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.layer.vocab_size
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return self.layer.max_position_embeddings
+
+
 @dataclasses.dataclass(frozen=True)
-class EagleConfig:
+class EagleConfig(LayerDims):
     """Static shape of an EAGLE drafter (hashable).
 
     layer: a one-layer :class:`ModelConfig` (width, heads, RoPE, eps of the target; its
@@ -58,18 +77,6 @@ class EagleConfig:
     def feature_size(self) -> int:
         """Width of the target feature the decode loop hands over (``target_hidden``'s last axis)."""
         return self.layer.hidden_size * max(1, len(self.feature_layers))
-
-    @property
-    def hidden_size(self) -> int:
-        return self.layer.hidden_size
-
-    @property
-    def vocab_size(self) -> int:
-        return self.layer.vocab_size
-
-    @property
-    def max_position_embeddings(self) -> int:
-        return self.layer.max_position_embeddings
 
     def to_json(self) -> dict:
         l = self.layer
