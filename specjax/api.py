@@ -260,10 +260,9 @@ def generate_text(
 ) -> list[dict]:
     """Generate text for each prompt. Returns one dict per prompt:
     ``{"text", "tokens", "stats"}`` (and ``"logprobs"`` when asked) where ``stats`` has
-    ``new_tokens``, ``prefill_s``, ``decode_s``, ``compile_s`` (seconds, for the prompt's
-    batch), ``tokens_per_s`` (the prompt's new tokens ÷ its batch's decode seconds; ``None`` without
-    decode time) and the
-    speculative counters of :class:`specjax.runtime.decoder.GenerationResult`.
+    ``new_tokens``, ``prefill_s``, ``decode_s``, ``compile_s`` (seconds, for the prompt's batch),
+    ``tokens_per_s`` (the prompt's new tokens ÷ its batch's decode seconds; ``None`` without decode
+    time) and the speculative counters of :class:`specjax.runtime.decoder.GenerationResult`.
 
     Args:
       tree_nodes, tree_depth, tree_topk: draft trees of N nodes, depth D and at most K children
@@ -292,12 +291,10 @@ def generate_text(
       on_done: ``on_done(i, result)`` is called with prompt i's result dict as soon as its
         batch has finished (before later batches run).
       progress: a :class:`specjax.runtime.progress.Progress` for phase lines (compiles), or ``None``.
-      parse_special: whether special-token strings typed in a prompt become control ids
-        (default ``True``); ``False`` tokenizes prompts as plain text (see :func:`encode_prompts`).
-      chat_template_kwargs: extra chat-template variables (with ``chat``; Qwen3's
-        ``{"enable_thinking": False}``), see :func:`encode_prompts`.
-
-    Prompt i uses request key ``fold_in(seed_key(seed), i)``, whatever its batch.
+      parse_special, chat_template_kwargs: how prompts are tokenized (special-token strings as control
+        ids, default ``True``; extra chat-template variables such as Qwen3's ``{"enable_thinking":
+        False}``), see :func:`encode_prompts`. Prompt i uses request key ``fold_in(seed_key(seed), i)``,
+        whatever its batch.
 
     Raises:
       ValueError: ``prompts`` or ``stop`` given as one string instead of a list, an empty prompt

@@ -176,26 +176,7 @@ class ModelConfig:
           UnsupportedModelError: an architecture other than Llama/Mistral/Qwen2/Qwen3 (mixture-of-experts
             named as such), an activation other than SiLU, MLP biases, or an unknown RoPE scaling type.
         """
-        model_type = cfg.get("model_type")
-        archs = cfg.get("architectures") or []
-        experts = next((f"{k}={cfg[k]}" for k in ("num_experts", "num_local_experts", "n_routed_experts")
-                        if cfg.get(k)), None)
-        if experts or "moe" in str(model_type).lower():
-            raise UnsupportedModelError(
-                f"mixture-of-experts layers ({experts or model_type}) are not supported; specjax implements "
-                f"dense decoders ({', '.join(SUPPORTED_MODEL_TYPES)})."
-            )
-        if model_type == "gemma3" or "text_config" in cfg:
-            raise UnsupportedModelError(
-                f"multimodal checkpoints ({model_type}, architectures={archs}: a vision tower plus a language "
-                "model under text_config) are not supported yet; use a text-only checkpoint "
-                "(Gemma3ForCausalLM, model_type gemma3_text, e.g. gemma-3-1b-it)."
-            )
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise UnsupportedModelError(
-                f"model_type={model_type!r} (architectures={archs}) is not supported; "
-                f"specjax implements {', '.join(SUPPORTED_MODEL_TYPES)} (Llama-family decoders)."
-            )
+        model_type = _supported_type(cfg)
         gemma = _gemma_fields(cfg, model_type) if model_type in GEMMA_TYPES else {}
         act = cfg.get("hidden_act", "silu")
         if not gemma and act not in ("silu", "swish"):
@@ -258,6 +239,34 @@ LATER_FIELDS = ("qk_norm", "hidden_act", "sandwich_norms", "norm_weight_offset",
                 "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "sliding_window",
                 "sliding_layers", "rope_local_theta")
 _FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+
+
+def _supported_type(cfg: Mapping[str, Any]) -> str:
+    """The config's ``model_type`` if specjax implements it.
+
+    Raises:
+      UnsupportedModelError: mixture-of-experts, a multimodal checkpoint, or another model type."""
+    model_type = cfg.get("model_type")
+    archs = cfg.get("architectures") or []
+    experts = next((f"{k}={cfg[k]}" for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                    if cfg.get(k)), None)
+    if experts or "moe" in str(model_type).lower():
+        raise UnsupportedModelError(
+            f"mixture-of-experts layers ({experts or model_type}) are not supported; specjax implements "
+            f"dense decoders ({', '.join(SUPPORTED_MODEL_TYPES)})."
+        )
+    if model_type == "gemma3" or "text_config" in cfg:
+        raise UnsupportedModelError(
+            f"multimodal checkpoints ({model_type}, architectures={archs}: a vision tower plus a language "
+            "model under text_config) are not supported yet; use a text-only checkpoint "
+            "(Gemma3ForCausalLM, model_type gemma3_text, e.g. gemma-3-1b-it)."
+        )
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"model_type={model_type!r} (architectures={archs}) is not supported; "
+            f"specjax implements {', '.join(SUPPORTED_MODEL_TYPES)} (Llama-family decoders)."
+        )
+    return model_type
 
 
 def _gemma_fields(cfg: Mapping[str, Any], model_type: str) -> dict:
