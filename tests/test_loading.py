@@ -316,8 +316,8 @@ def test_pickle_weights_are_never_unpickled(tiny_dir, tmp_path):
          ["mixture-of-experts", "num_experts=8", "dense"]),
         (lambda c: c.update(model_type="qwen3", use_sliding_window=True, sliding_window=8, max_window_layers=1),
          ["qwen3 sliding-window", "use_sliding_window=false"]),
-        (lambda c: c.update(model_type="gemma3", architectures=["Gemma3ForConditionalGeneration"], text_config={}),
-         ["multimodal", "Gemma3ForCausalLM"]),
+        (lambda c: c.update(model_type="llava", architectures=["LlavaForConditionalGeneration"], text_config={}),
+         ["multimodal", "llava", "text-only"]),
         (lambda c: c.update(model_type="gemma2", hidden_activation="gelu"), ["gemma2", "gelu", "not supported"]),
         (lambda c: c.update(model_type="gemma3_text", hidden_activation="gelu_pytorch_tanh", rope_parameters={
             "full_attention": {"rope_type": "default", "rope_theta": 1e6},
@@ -325,7 +325,7 @@ def test_pickle_weights_are_never_unpickled(tiny_dir, tmp_path):
          ["local-layer RoPE", "linear"]),
     ],
     ids=["gpt2", "yarn", "yarn-v5", "per-layer-rope", "gelu", "mlp_bias", "qwen2-sliding", "gqa", "moe",
-         "qwen3-sliding", "gemma3-multimodal", "gemma2-gelu", "gemma3-local-rope"],
+         "qwen3-sliding", "llava-multimodal", "gemma2-gelu", "gemma3-local-rope"],
 )
 def test_unsupported_architecture(tiny_dir, tmp_path, edit, words):
     bad = _copy_ckpt(tiny_dir, str(tmp_path / "bad"), edit_config=edit)

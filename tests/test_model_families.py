@@ -179,3 +179,27 @@ def test_speculative_greedy_equals_autoregressive_and_batch_invariant(family, ki
         assert sum(s["accepted_tokens"] for s in res.stats) > 0, (kind, tree)  # drafts were accepted
         alone = dec.generate([prompts[1]], max_new_tokens=NEW, eos_ids=[])
         assert alone.tokens[0] == res.tokens[1], (kind, tree)
+
+
+def test_multimodal_gemma3_loads_its_language_model(tmp_path):
+    """Gemma 3 4b/12b/27b checkpoints are Gemma3ForConditionalGeneration: the language model's tensors
+    under ``language_model.``, plus a vision tower that is skipped (with one warning); text-only
+    logits equal transformers' (no image)."""
+    _, _, kw = FAMILIES["gemma3"]
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+                  patch_size=8)
+    cfg = transformers.Gemma3Config(text_config=kw, vision_config=vision, mm_tokens_per_image=4, boi_token_index=90,
+                                    eoi_token_index=91, image_token_index=92)
+    torch.manual_seed(0)
+    hf = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    randomize_(hf, seed=40)
+    hf.save_pretrained(str(tmp_path), safe_serialization=True)
+    with pytest.warns(UserWarning, match="vision tower is ignored"):
+        m = load_model(str(tmp_path))
+    assert m.config.multimodal and m.config.model_type == "gemma3_text" and m.config.sliding_layers == (0, 1)
+    ids = np.asarray([_prompt(7)])
+    with torch.no_grad():
+        want = hf(input_ids=torch.tensor(ids)).logits.float().numpy()
+    got = full_logits(m, ids)
+    assert np.abs(want).max() > 1.0
+    assert np.abs(got - want).max() <= 1e-4, f"max |Δlogits| = {np.abs(got - want).max():.2e}"

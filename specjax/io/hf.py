@@ -14,6 +14,11 @@ from specjax.models import llama
 from specjax.models.config import GEMMA_TYPES, CheckpointError, ModelConfig
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+# a multimodal checkpoint's language model (Gemma 3 4b/12b/27b): its tensor names, in the layouts of
+# transformers before and after 5.0, and the vision parts that are skipped
+LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                           ("model.language_model.", "model."))
+VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
 
 def hf_tensor_path(name: str, cfg: ModelConfig, names: dict | None = None):
@@ -29,6 +34,13 @@ def hf_tensor_path(name: str, cfg: ModelConfig, names: dict | None = None):
     """
     if name.endswith("rotary_emb.inv_freq"):
         return None
+    if cfg.multimodal:  # the language model of a multimodal checkpoint; the vision tower is not read
+        if name.startswith(VISION_PREFIXES):
+            return None
+        for prefix, to in LANGUAGE_MODEL_PREFIXES:
+            if name.startswith(prefix):
+                name = to + name[len(prefix):]
+                break
     hit = (names if names is not None else llama.checkpoint_names(cfg, "hf")).get(name)
     if hit is None:
         raise CheckpointError(f"unexpected tensor {name!r} for a {cfg.model_type} model")
@@ -116,7 +128,13 @@ def read_hf_config(cfg_file: str) -> ModelConfig:
     if not isinstance(d, dict):
         raise CheckpointError(f"{cfg_file}: expected a JSON object (a Hugging Face config), got {type(d).__name__}")
     try:
-        return ModelConfig.from_hf_config(d)
+        cfg = ModelConfig.from_hf_config(d)
+        if cfg.multimodal:
+            import warnings
+
+            warnings.warn(f"{cfg_file}: a multimodal {d.get('model_type')} checkpoint: its language model is loaded "
+                          "and the vision tower is ignored (text prompts only)", stacklevel=2)
+        return cfg
     except CheckpointError:
         raise
     except KeyError as e:

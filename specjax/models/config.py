@@ -72,6 +72,8 @@ class ModelConfig:
         > t − W, as transformers); ``sliding_layers``: those layers' indices (empty: none).
       rope_local_theta: RoPE base of the sliding layers (Gemma 3; their RoPE is unscaled); ``None``:
         every layer uses ``rope_theta`` and ``rope_scaling``.
+      multimodal: the language model of a multimodal checkpoint (Gemma 3 4b/12b/27b): its tensors
+        sit under ``language_model.`` and the vision tower is ignored (:mod:`specjax.io.hf`).
       model_type: one of :data:`SUPPORTED_MODEL_TYPES`.
       bos_token_id / eos_token_ids: special ids from the checkpoint (may be empty).
     """
@@ -101,6 +103,7 @@ class ModelConfig:
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
     rope_local_theta: float | None = None
+    multimodal: bool = False
     model_type: str = "llama"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -176,6 +179,11 @@ class ModelConfig:
           UnsupportedModelError: an architecture other than Llama/Mistral/Qwen2/Qwen3 (mixture-of-experts
             named as such), an activation other than SiLU, MLP biases, or an unknown RoPE scaling type.
         """
+        if cfg.get("model_type") == "gemma3" and isinstance(cfg.get("text_config"), Mapping):
+            # Gemma 3 4b/12b/27b: the text model of a multimodal checkpoint (the vision tower is ignored)
+            top = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "tie_word_embeddings") if k in cfg}
+            text = {"model_type": "gemma3_text", **top, **cfg["text_config"]}
+            return dataclasses.replace(cls.from_hf_config(text), multimodal=True)
         model_type = _supported_type(cfg)
         gemma = _gemma_fields(cfg, model_type) if model_type in GEMMA_TYPES else {}
         act = cfg.get("hidden_act", "silu")
@@ -237,7 +245,7 @@ class ModelConfig:
 # ModelConfig fields added after drafter fingerprints existed (see ModelConfig.identity); append, never remove.
 LATER_FIELDS = ("qk_norm", "hidden_act", "sandwich_norms", "norm_weight_offset", "scale_embeddings",
                 "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "sliding_window",
-                "sliding_layers", "rope_local_theta")
+                "sliding_layers", "rope_local_theta", "multimodal")
 _FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
 
 
@@ -255,11 +263,10 @@ def _supported_type(cfg: Mapping[str, Any]) -> str:
             f"mixture-of-experts layers ({experts or model_type}) are not supported; specjax implements "
             f"dense decoders ({', '.join(SUPPORTED_MODEL_TYPES)})."
         )
-    if model_type == "gemma3" or "text_config" in cfg:
+    if "text_config" in cfg:
         raise UnsupportedModelError(
-            f"multimodal checkpoints ({model_type}, architectures={archs}: a vision tower plus a language "
-            "model under text_config) are not supported yet; use a text-only checkpoint "
-            "(Gemma3ForCausalLM, model_type gemma3_text, e.g. gemma-3-1b-it)."
+            f"multimodal checkpoints other than Gemma 3 ({model_type}, architectures={archs}: a vision tower plus "
+            "a language model under text_config) are not supported; use the text-only checkpoint."
         )
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
