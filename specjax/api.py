@@ -84,11 +84,22 @@ def _load_shipped(spec: str, target: Model, dtype: str):
     return shipped.load_default_drafter(target, dtype=dtype)
 
 
-def _load_draft_model(spec: str, target: Model, dtype: str) -> ModelDrafter:
-    """The ``model`` kind: a checkpoint path or hub id with the target's tokenizer."""
+def _load_draft_model(spec: str, target: Model, dtype: str):
+    """The ``model`` kind: a checkpoint path or hub id with the target's tokenizer. A hub id is
+    fetched (or found in the local hub cache) first; when its directory is another kind's (a
+    published EAGLE-3 head), that kind loads it."""
+    from specjax.io.hf import looks_like_hub_id, resolve_hub
+
+    name = os.path.basename(os.path.normpath(spec))
+    if not os.path.exists(os.path.expanduser(spec)) and looks_like_hub_id(spec):
+        local = resolve_hub(spec)
+        kind = registry.find_kind(local)
+        if kind is not None and kind.name != "model":
+            return (kind.load or _IO_LOADERS[kind.name])(local, target, dtype)
+        spec = local
     dm = load_model(spec, dtype=dtype)
     check_vocab_compatible(target.tokenizer, dm.tokenizer, target.config.vocab_size, dm.config.vocab_size)
-    return ModelDrafter.from_model(dm, name=os.path.basename(os.path.normpath(spec)))
+    return ModelDrafter.from_model(dm, name=name)
 
 
 # the loaders of the kinds whose loading needs specjax.io (a later layer than the registry's)

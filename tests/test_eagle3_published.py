@@ -286,3 +286,18 @@ def test_default_layers_follow_the_reference():
     assert resolve_layers([3, 5, 7], {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 3]}}, 8) == (2, 4, 6)
     with pytest.raises(CheckpointError, match="use 1..3"):
         resolve_layers([0, 2, 3], {}, 4)
+
+
+def test_a_hub_id_that_is_a_head_loads_as_a_head(tmp_path, monkeypatch):
+    """A pair config names heads by hub id (``draft = "org/head"``): the id is fetched (here: the local
+    hub cache is a directory the test wrote) and the directory's own kind, the published head, loads it."""
+    from specjax import api
+    from specjax.drafters.eagle3_head import Eagle3HeadDrafter
+    from specjax.io import hf
+
+    target = _target()
+    head, _ = write_head(tmp_path / "snapshot", target)
+    asked = []
+    monkeypatch.setattr(hf, "resolve_hub", lambda hub_id: asked.append(hub_id) or str(head))
+    d = api.load_drafter("someone/EAGLE3-tiny", target)
+    assert asked == ["someone/EAGLE3-tiny"] and isinstance(d, Eagle3HeadDrafter)
