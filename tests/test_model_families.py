@@ -203,3 +203,19 @@ def test_multimodal_gemma3_loads_its_language_model(tmp_path):
     got = full_logits(m, ids)
     assert np.abs(want).max() > 1.0
     assert np.abs(got - want).max() <= 1e-4, f"max |Δlogits| = {np.abs(got - want).max():.2e}"
+
+
+def test_config_identity_of_earlier_models_is_unchanged():
+    """Fields added for the new families are left out of a config's identity (what a drafter's
+    trained-for fingerprint hashes) while at their defaults, so drafters trained before them still load;
+    a model that uses one is told apart."""
+    import dataclasses
+
+    from conftest import tiny_config
+    from specjax.models.config import LATER_FIELDS
+
+    cfg = tiny_config()
+    before = {f.name for f in dataclasses.fields(cfg)} - set(LATER_FIELDS)
+    assert set(cfg.identity()) == before
+    assert cfg.identity()["eos_token_ids"] == [1]  # tuples as JSON lists, as the fingerprint always wrote them
+    assert dataclasses.replace(cfg, qk_norm=True).identity()["qk_norm"] is True
