@@ -18,6 +18,32 @@ from specjax.models import llama
 from specjax.runtime.loop import DecodeState, Logprobs, Program, Stats
 
 
+PREFILL_CHUNK = 512  # prompt tokens per target call of the prefill: longer prompts go in chunks of this many
+
+
+def prompt_forward(prog: Program, tparams, prompt, cache):
+    """The target over ``prompt [U, P]`` at positions ``0 .. P-1``: ``(hidden or features [U, P, ·],
+    cache with the prompt's K/V)``. A prompt longer than :data:`PREFILL_CHUNK` (whose bucket is a
+    multiple of it) runs as a ``lax.scan`` of chunk-sized causal calls, each writing its K/V before
+    the next attends to them: the score matrix of one call is ``chunk × buffer`` instead of
+    ``P × buffer`` (memory linear in the prompt), each query's causal attention unchanged. Prompts of
+    ≤ :data:`PREFILL_CHUNK` tokens run as one call, as before."""
+    u, p = prompt.shape
+    c = PREFILL_CHUNK
+    if p <= c or p % c:
+        pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (u, p))
+        return llama.forward(prog.graphdef, tparams, prompt, pos, cache, prog.cfg, **prog.feature_args)
+
+    def chunk(cache, i):
+        toks = jax.lax.dynamic_slice_in_dim(prompt, i * c, c, axis=1)
+        pos = jnp.broadcast_to(i * c + jnp.arange(c, dtype=jnp.int32), (u, c))
+        h, cache = llama.forward(prog.graphdef, tparams, toks, pos, cache, prog.cfg, **prog.feature_args)
+        return cache, h
+
+    cache, hs = jax.lax.scan(chunk, cache, jnp.arange(p // c, dtype=jnp.int32))  # hs [P/c, U, c, ·]
+    return hs.transpose(1, 0, 2, 3).reshape(u, p, hs.shape[-1]), cache
+
+
 def prefill(prog: Program, tparams, dparams, prompt, prompt_lengths, max_new, eos, keys, sampling,
             shared=None) -> DecodeState:
     """Prefill: write the prompt into the buffer, fill target (and drafter) caches.
@@ -38,9 +64,8 @@ def prefill(prog: Program, tparams, dparams, prompt, prompt_lengths, max_new, eo
     tokens = jnp.zeros((b, prog.buffer_len), jnp.int32).at[:, :p].set(prompt)
     u = uprompt.shape[0]
     cache = llama.KVCache.create(prog.cfg, u, prog.buffer_len, jnp.dtype(prog.cache_dtype))
-    pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (u, p))
     # K/V of every prompt slot (slots ≥ length-1 hold stale values that later writes replace)
-    h, cache = llama.forward(prog.graphdef, tparams, uprompt, pos, cache, prog.cfg, **prog.feature_args)
+    h, cache = prompt_forward(prog, tparams, uprompt, cache)
     vocab = prog.cfg.vocab_size
     in_prompt = jnp.arange(p)[None, :] < prompt_lengths[:, None]
     seen = jnp.zeros((b, vocab), bool).at[jnp.arange(b)[:, None], jnp.where(in_prompt, prompt, vocab)].set(
