@@ -6,7 +6,7 @@ transformers' over a 64-token prompt, and the greedy 32-token continuation ident
 transformers' ``generate``; the same weights written as a GGUF file with the ``gguf`` package and
 read by BOTH specjax and transformers (``gguf_file=``), with the same logits (Qwen3); greedy speculative
 decoding equal to autoregressive with the n-gram drafter and an (untrained) EAGLE-3-style drafter,
-chains and trees; a row decoded alone equal to the same row in a batch. The Gemma models have a
+chains and trees; a row decoded alone equal to the same row in a batch (chains). The Gemma models have a
 sliding window (16) shorter than the prompts (64 tokens), soft-capping (Gemma 2) and a separate
 local RoPE base with a scaled global RoPE (Gemma 3).
 """
@@ -177,8 +177,9 @@ def test_speculative_greedy_equals_autoregressive_and_batch_invariant(family, ki
         res = dec.generate(prompts, max_new_tokens=NEW, eos_ids=[])
         assert res.tokens == ar, (kind, tree)
         assert sum(s["accepted_tokens"] for s in res.stats) > 0, (kind, tree)  # drafts were accepted
-        alone = dec.generate([prompts[1]], max_new_tokens=NEW, eos_ids=[])
-        assert alone.tokens[0] == res.tokens[1], (kind, tree)
+        if tree is None:  # a row alone == in the batch (the chain's program at batch 1: one compile, CI minutes)
+            alone = dec.generate([prompts[1]], max_new_tokens=NEW, eos_ids=[])
+            assert alone.tokens[0] == res.tokens[1], (kind, tree)
 
 
 def test_multimodal_gemma3_loads_its_language_model(tmp_path):
