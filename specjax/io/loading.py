@@ -451,7 +451,7 @@ def save_model(model: Model, path: str, extra_metadata: dict | None = None) -> s
             name = t.checkpoint_name("hf", p[1] if spec.per_layer else None, cfg)
             if name is None:
                 raise CheckpointError(f"weight {param_path_name(p)} has no Hugging Face name; it cannot be saved as safetensors")
-            a = a - spec.norm_offset("hf", cfg) if spec.norm_offset("hf", cfg) else a  # exact for multipliers >= 0.5 (trained norms)
+            a = a - spec.norm_offset("hf", cfg)  # Gemma's norms: w of (1 + w); exact for multipliers >= 0.5
             tensors[name] = np.ascontiguousarray(a.T) if t.hf_transpose else np.ascontiguousarray(a)
     meta = {"format": "pt"}
     meta.update({k: str(v) for k, v in (extra_metadata or {}).items()})
