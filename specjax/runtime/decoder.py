@@ -254,15 +254,30 @@ class Decoder:
         :func:`specjax.models.llama.kv_cache_dtype` of the target's weight format)."""
         return kv_cache_dtype(self.target.dtype)
 
+    def _spare(self) -> int:
+        """Buffer slots a round writes beyond the committed tokens (γ, a tree's scratch, or the
+        drafter's own writes when it declares more)."""
+        spare = self.gamma if self.tree is None else tree_scratch(self.tree)
+        if self.drafter is not None:
+            spare = max(spare, self.drafter.scratch_slots(self.gamma, self.tree))
+        return spare
+
     def _program(self, prompt_len: int, max_new_tokens: int, logprobs: int | None) -> Program:
         """The Program for prompts of up to ``prompt_len`` tokens and rows of up to
         ``max_new_tokens`` new tokens (already capped to the context)."""
-        spare = self.gamma if self.tree is None else tree_scratch(self.tree)
-        if self.drafter is not None:  # the drafter's own writes, when it declares more
-            spare = max(spare, self.drafter.scratch_slots(self.gamma, self.tree))
-        buf = decode_buffer_len(int(prompt_len), int(max_new_tokens), spare, self.prompt_bucket)
-        return Program(self.target.config, self.target.graphdef, self.drafter, self.gamma, buf, self.cache_dtype,
-                       -1 if logprobs is None else int(logprobs), self.tree)
+        buf = decode_buffer_len(int(prompt_len), int(max_new_tokens), self._spare(), self.prompt_bucket)
+        return self._with_buffer(buf, logprobs)
+
+    def _with_buffer(self, buffer_len: int, logprobs: int | None) -> Program:
+        return Program(self.target.config, self.target.graphdef, self.drafter, self.gamma, buffer_len,
+                       self.cache_dtype, -1 if logprobs is None else int(logprobs), self.tree)
+
+    def slot_program(self, context: int, logprobs: int | None = None) -> Program:
+        """The Program whose buffer holds any row of at most ``context`` tokens (prompt + new):
+        the largest prompt bucket below it, or ``context`` itself, plus the spare slots a round
+        writes, rounded up to ``BUFFER_BUCKET`` (:mod:`specjax.runtime.engine`'s slots)."""
+        room = max(prompt_bucket(int(context) - 1, self.prompt_bucket), int(context))
+        return self._with_buffer(round_up(room + self._spare() + 1, BUFFER_BUCKET), logprobs)
 
     def program(self, prompt_len: int, max_new_tokens: int = 128, logprobs: int | None = None) -> Program:
         """The decode :class:`Program` this Decoder runs for prompts of ``prompt_len`` tokens:

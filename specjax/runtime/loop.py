@@ -75,8 +75,14 @@ class DecodeState:
     prompt_lengths, max_new: ``[B]`` int32.
     done: ``[B]`` bool; a finished row stops changing.
     eos: ``[B, E]`` int32 stop ids per row (−1 = unused).
-    keys: ``[B, 2]`` uint32 request keys; round r uses ``fold_in(key, r)``.
+    keys: ``[B, 2]`` uint32 request keys; a row's j-th round draws with ``fold_in(key, j)``
+      (``j = round - first_round``: a row's draws never depend on when it joined the batch).
     round: int32 scalar rounds run so far.
+    first_round: ``[B]`` int32, the ``round`` at which each row started (0 for rows prefilled
+      together; a row inserted into a running batch, :mod:`specjax.runtime.engine`, gets the
+      batch's ``round`` then).
+    speculate: ``[B]`` bool, rows whose drafts are verified; a row with ``False`` is offered no
+      draft (every round commits one target token, drawn from p like a plain step).
     sampling: per-row sampling settings.
     seen: ``[B, V]`` bool, ids present in the prompt or the committed output (repetition penalty).
     counts: ``[B, V]`` int32, occurrences of each id in the committed output (presence and
@@ -103,6 +109,8 @@ class DecodeState:
     eos: jax.Array
     keys: jax.Array
     round: jax.Array
+    first_round: jax.Array
+    speculate: jax.Array
     sampling: SamplingParams
     seen: jax.Array
     counts: jax.Array
@@ -298,9 +306,10 @@ def _write_rows(buf, values, starts):
 
 def _round_inputs(st: DecodeState, draws: int):
     """What every round starts from: this round's per-row keys ``[B, draws + 2, 2]`` (``fold_in``
-    of the request key and the round number; the last one is for the residual/bonus draw), the
+    of the request key and the row's own round number; the last one is for the residual/bonus draw), the
     last committed token ``[B, 1]`` and the tokens each row may still emit ``[B]``."""
-    rkeys = jax.vmap(lambda k: jax.random.split(jax.random.fold_in(k, st.round), draws + 2))(st.keys)
+    rkeys = jax.vmap(lambda k, r: jax.random.split(jax.random.fold_in(k, r), draws + 2))(
+        st.keys, st.round - st.first_round)
     last = jnp.take_along_axis(st.tokens, (st.lengths - 1)[:, None], axis=1)
     return rkeys, last, st.max_new - st.stats.new_tokens
 
@@ -353,7 +362,7 @@ def _round(prog: Program, tparams, dparams, st: DecodeState) -> DecodeState:
         ctx = DraftContext(st.tokens, st.lengths, st.sampling, st.target_hidden, st.last_accepted)
         prop = prog.drafter.propose(dparams, st.drafter_state, ctx, rkeys[:, :g], g, vocab)
         allowed = jnp.clip(jnp.minimum(prop.num_valid, remaining - 1), 0, g).astype(jnp.int32)
-        allowed = jnp.where(active, allowed, 0)
+        allowed = jnp.where(active & st.speculate, allowed, 0)
         u = jax.vmap(lambda k: jax.random.uniform(k, (g,), jnp.float32))(rkeys[:, g])
 
         def spec(st, dstate):
@@ -490,7 +499,7 @@ def _tree_round(prog: Program, tparams, dparams, st: DecodeState) -> DecodeState
 
     ctx = DraftContext(st.tokens, st.lengths, st.sampling, st.target_hidden, st.last_accepted)
     prop = propose_tree(prog.drafter, dparams, st.drafter_state, ctx, rkeys[:, :nodes], shape, vocab)
-    allowed = jnp.where(active, jnp.clip(remaining - 1, 0, depth), 0).astype(jnp.int32)
+    allowed = jnp.where(active & st.speculate, jnp.clip(remaining - 1, 0, depth), 0).astype(jnp.int32)
     tree = tree_ops.limit_depth(prop.tree, allowed)
     live = tree.valid & (tree.depth >= 1) & (tree.depth <= depth)  # the nodes the walk may accept
     offered = jnp.sum(live, axis=1, dtype=jnp.int32)

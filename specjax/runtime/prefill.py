@@ -94,6 +94,8 @@ def prefill(prog: Program, tparams, dparams, prompt, prompt_lengths, max_new, eo
         eos=eos,
         keys=keys,
         round=jnp.int32(0),
+        first_round=jnp.zeros((b,), jnp.int32),
+        speculate=jnp.ones((b,), bool),
         sampling=sampling,
         seen=seen,
         counts=jnp.zeros((b, vocab), jnp.int32),

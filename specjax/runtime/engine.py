@@ -1,0 +1,352 @@
+"""Continuous batching (issue 31): a fixed number of slots decoded by the one jitted loop, with
+requests admitted into free slots between chunks of rounds.
+
+:class:`Engine` holds a :class:`~specjax.runtime.loop.DecodeState` of ``slots`` rows whose buffer
+holds any request of up to ``context_limit`` tokens (:meth:`Decoder.slot_program`), so every
+program has a static shape: one prefill per prompt bucket (batch 1), one insertion, one chunk of
+rounds — nothing recompiles per request. A free slot is a row that is ``done`` (done rows do not
+change). Each :meth:`Engine.step`:
+
+1. ends cancelled requests (their slot is marked done and is free at once);
+2. admits queued requests into free slots: each is prefilled alone (batch 1, its prompt bucket)
+   and its row is written into the slot (:func:`insert_row`), with ``first_round`` = the
+   batch's round so its draws are ``fold_in(key, j)`` for its own j-th round;
+3. runs ``rounds_per_chunk`` rounds over all slots (:func:`~specjax.runtime.loop.run_rounds`);
+4. reads the newly committed tokens (and log-probabilities) of the running rows and returns
+   them as :class:`Update` s; a finished row's final update carries its
+   :class:`~specjax.runtime.results.RowStats` and frees its slot.
+
+Exactness under batching: a request's tokens are the tokens of ``Decoder.generate`` for that
+prompt alone with ``keys = request_keys(seed, 1)`` (the same key, its own round numbers, and
+batch-invariant numerics: docs/design.md "Batch invariance" — exact in bfloat16 and int8;
+float32 may differ at near-ties because XLA CPU's float32 dots differ between 1 and ≥ 2 rows).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import threading
+import time
+from collections.abc import Sequence
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.core.sampling import Sampling, SamplingParams
+from specjax.runtime.decoder import SEED_LIMIT, Decoder, prompt_bucket, request_keys, round_up
+from specjax.runtime.loop import run_rounds_jit
+from specjax.runtime.prefill import prefill_jit, prefill_program, size_for_gamma
+from specjax.runtime.results import RowStats, host_result
+
+ENGINE_STOP_IDS = 16  # stop-id slots per row (the model's EOS ids + a request's stop token ids)
+ADMIT_TOKENS = 512  # prompt tokens prefilled per step beyond the first admitted request (bounds the stall)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineRequest:
+    """One request to an :class:`Engine`.
+
+    prompt: token ids (≥ 1, fewer than the engine's ``context_limit``).
+    max_new_tokens: ≥ 1, capped to ``context_limit − len(prompt)``.
+    sampling: a :class:`~specjax.core.sampling.Sampling` (default greedy).
+    seed: integer in ``[0, 2**64)``; ``None`` draws a random one (reported in :class:`Update`).
+    stop_token_ids: more ids that end the request (``finish_reason`` ``"stop"``).
+    logprobs: ``None``, or the top alternatives recorded per token (0 .. the engine's ``max_logprobs``).
+    ignore_eos: decode exactly ``max_new_tokens``.
+    speculative: ``False``: the row is offered no drafts (one target token per round, drawn
+      from p like a plain step; the same distribution, a different use of the key).
+    """
+
+    prompt: Sequence[int]
+    max_new_tokens: int = 128
+    sampling: Sampling = dataclasses.field(default_factory=Sampling)
+    seed: int | None = None
+    stop_token_ids: Sequence[int] = ()
+    logprobs: int | None = None
+    ignore_eos: bool = False
+    speculative: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Update:
+    """What one :meth:`Engine.step` gives a request.
+
+    tokens: newly committed token ids (may be empty).
+    logprobs: per new token ``{"id", "logprob", "top": [(id, logprob), ...]}`` (as
+      ``GenerationResult.logprobs``), or ``None`` when the request asked for none.
+    finish_reason: ``None`` while running; ``"eos"``, ``"stop"``, ``"length"`` or ``"cancelled"``.
+    stats: on the final update, the request's :class:`~specjax.runtime.results.RowStats`
+      (``None`` for a request cancelled before it was admitted).
+    seed: the seed the request samples with.
+    """
+
+    request_id: int
+    tokens: list
+    logprobs: list | None
+    finish_reason: str | None
+    stats: RowStats | None
+    seed: int
+
+
+@dataclasses.dataclass
+class _Running:
+    rid: int
+    req: EngineRequest
+    seed: int
+    plen: int
+    reported: int  # committed length already returned
+
+
+def insert_row(state, row, slot, speculate):
+    """``state`` with batch row ``slot`` replaced by the one-row state ``row`` (every per-row
+    leaf; the scalar ``round`` stays the batch's), ``first_round[slot]`` = the batch's round and
+    ``speculate[slot]`` = ``speculate`` (a bool scalar)."""
+    def put(big, small):
+        if jnp.ndim(big) == 0:
+            return big
+        return jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), slot, axis=0)
+
+    out = jax.tree_util.tree_map(put, state, row)
+    return dataclasses.replace(out, first_round=out.first_round.at[slot].set(state.round),
+                               speculate=out.speculate.at[slot].set(speculate))
+
+
+def end_rows(state, mask):
+    """``state`` with the rows of ``mask [B]`` (bool) done."""
+    return dataclasses.replace(state, done=state.done | mask)
+
+
+_insert_jit = jax.jit(insert_row, donate_argnums=0)
+_end_jit = jax.jit(end_rows, donate_argnums=0)
+
+
+def _check_int(name, v, lo, hi=None):
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo or (hi is not None and v > hi):
+        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{name} must be an integer {rng}, got {v!r}")
+
+
+class Engine:
+    """Continuous batching over ``slots`` rows of one :class:`~specjax.runtime.decoder.Decoder`
+    (its target, drafter, γ or tree; one device).
+
+    ``max_context``: tokens one request may hold (prompt + new); default the decoder's context.
+    Every slot's buffer (and KV cache) holds this many, so it sets memory and the attention
+    cost of every round. ``rounds_per_chunk``: rounds between admissions and updates.
+    ``max_logprobs``: the most top alternatives a request may ask for (the programs record this
+    many for every row and each request gets its own count); ``None``: log-probabilities off.
+
+    Thread safety: :meth:`submit` and :meth:`cancel` may be called from any thread; :meth:`step`
+    from one thread only.
+
+    Raises:
+      ValueError: ``slots``, ``max_context``, ``rounds_per_chunk`` or ``max_logprobs`` out of
+        range, or a decoder on a device mesh (not supported yet).
+    """
+
+    def __init__(self, decoder: Decoder, slots: int = 8, max_context: int | None = None,
+                 rounds_per_chunk: int = 4, max_logprobs: int | None = 20):
+        if decoder.mesh is not None:
+            raise ValueError("the engine runs on one device; drop the mesh (--mesh) to serve")
+        _check_int("slots", slots, 1)
+        _check_int("rounds_per_chunk", rounds_per_chunk, 1)
+        cfg = decoder.target.config
+        if max_logprobs is not None:
+            _check_int("max_logprobs", max_logprobs, 0, cfg.vocab_size)
+        ctx = decoder.context_limit()
+        if max_context is not None:
+            _check_int("max_context", max_context, 2, ctx)
+        self.decoder = decoder
+        self.slots = int(slots)
+        self.rounds_per_chunk = int(rounds_per_chunk)
+        self.max_logprobs = max_logprobs
+        self.context_limit = ctx if max_context is None else int(max_context)
+        self.prog = decoder.slot_program(self.context_limit, max_logprobs)
+        self._sprog = prefill_program(self.prog)
+        self._eos = [int(e) for e in cfg.eos_token_ids]
+        self._lock = threading.Lock()
+        self._queue: collections.deque = collections.deque()
+        self._cancel: set[int] = set()
+        self._next_id = 0
+        self._slots: dict[int, _Running] = {}
+        self._state = None
+
+    # ---- requests (any thread)
+    def submit(self, req: EngineRequest) -> int:
+        """Queue a request; returns its id. Raises ValueError (one line) for a bad request."""
+        seed = self._check(req)
+        with self._lock:
+            rid = self._next_id
+            self._next_id += 1
+            self._queue.append((rid, req, seed))
+        return rid
+
+    def cancel(self, request_id: int) -> None:
+        """End a queued or running request at the next :meth:`step` (``finish_reason``
+        ``"cancelled"``; its slot is free then). Unknown or finished ids are ignored."""
+        with self._lock:
+            self._cancel.add(int(request_id))
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    @property
+    def running(self) -> int:
+        return len(self._slots)
+
+    @property
+    def idle(self) -> bool:
+        return not self._queue and not self._slots and not self._cancel
+
+    def _check(self, req: EngineRequest) -> int:
+        if not isinstance(req, EngineRequest):
+            raise ValueError(f"expected an EngineRequest, got {type(req).__name__}")
+        vocab = self.decoder.target.config.vocab_size
+        prompt = list(req.prompt)
+        if not prompt:
+            raise ValueError("the prompt is empty; give at least one token")
+        if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab for t in prompt):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(prompt) >= self.context_limit:
+            raise ValueError(f"the prompt has {len(prompt)} tokens; the context is {self.context_limit} tokens "
+                             "(prompt + at least one new token): shorten the prompt")
+        _check_int("max_new_tokens", req.max_new_tokens, 1)
+        if not isinstance(req.sampling, Sampling):
+            raise ValueError(f"sampling must be a specjax Sampling, got {type(req.sampling).__name__}")
+        SamplingParams.from_rows([req.sampling]).with_vocab(vocab)
+        if req.logprobs is not None:
+            if self.max_logprobs is None:
+                raise ValueError("log-probabilities are off in this engine (max_logprobs=None)")
+            _check_int("logprobs", req.logprobs, 0, self.max_logprobs)
+        stops = list(req.stop_token_ids)
+        if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab for t in stops):
+            raise ValueError(f"stop token ids must be integers in [0, {vocab})")
+        room = ENGINE_STOP_IDS - (0 if req.ignore_eos else len(self._eos))
+        if len(stops) > room:
+            raise ValueError(f"at most {room} stop token ids per request, got {len(stops)}")
+        if req.seed is None:
+            return int.from_bytes(os.urandom(8), "little") % SEED_LIMIT
+        _check_int("seed", req.seed, 0, SEED_LIMIT - 1)
+        return int(req.seed)
+
+    # ---- the decode side (one thread)
+    def warmup(self) -> float:
+        """Compile the smallest prompt bucket's prefill, the insertion and the chunk of rounds
+        (seconds). Other prompt buckets compile at their first request."""
+        t0 = time.perf_counter()
+        st = self._ensure_state()
+        st = self._run_chunk(st, 0)
+        self._state = jax.block_until_ready(st)
+        return time.perf_counter() - t0
+
+    def _row_state(self, prompt, max_new, seed, sampling, stops, ignore_eos):
+        dec = self.decoder
+        p = len(prompt)
+        arr = np.zeros((1, prompt_bucket(p, dec.prompt_bucket)), np.int32)
+        arr[0, :p] = prompt
+        eos = np.full((1, ENGINE_STOP_IDS), -1, np.int32)
+        ids = ([] if ignore_eos else self._eos) + [int(t) for t in stops]
+        eos[0, : len(ids)] = ids
+        mn = min(int(max_new), self.context_limit - p)
+        dparams = None if dec.drafter is None else dec.drafter.params
+        put = jax.device_put
+        args = (dec.target.params, dparams, put(arr), put(np.array([p], np.int32)), put(np.array([mn], np.int32)),
+                put(eos), request_keys(seed, 1), SamplingParams.from_rows([sampling]))
+        st = prefill_jit(self._sprog, *args)
+        return st if self._sprog is self.prog else size_for_gamma(st, self.prog)
+
+    def _ensure_state(self):
+        """The slots' state: a dummy one-token row tiled to ``slots`` rows, every row done."""
+        if self._state is None:
+            row = self._row_state([0], 1, 0, Sampling(), (), True)
+            st = jax.tree_util.tree_map(lambda x: jnp.repeat(x, self.slots, axis=0) if jnp.ndim(x) else x, row)
+            self._state = dataclasses.replace(st, done=jnp.ones((self.slots,), bool))
+        return self._state
+
+    def _run_chunk(self, st, rounds: int):
+        dparams = None if self.decoder.drafter is None else self.decoder.drafter.params
+        return run_rounds_jit(self.prog, self.decoder.target.params, dparams, st, st.round + jnp.int32(rounds))
+
+    def step(self) -> list[Update]:
+        """Cancel, admit, run one chunk of rounds, report (see the module docstring)."""
+        st = self._ensure_state()
+        with self._lock:
+            cancels, self._cancel = self._cancel, set()
+            queued = [q for q in self._queue if q[0] in cancels]
+            for q in queued:
+                self._queue.remove(q)
+        updates = [Update(rid, [], None, "cancelled", None, seed) for rid, _, seed in queued]
+        ending = [s for s, r in self._slots.items() if r.rid in cancels]
+        if ending:
+            mask = np.zeros(self.slots, bool)
+            mask[ending] = True
+            st = _end_jit(st, jax.device_put(mask))
+        st = self._admit(st)
+        if any(s not in ending for s in self._slots):
+            st = self._run_chunk(st, self.rounds_per_chunk)
+        self._state = st
+        updates += self._report(st, set(ending))
+        return updates
+
+    def _admit(self, st):
+        free = [s for s in range(self.slots) if s not in self._slots]
+        budget = ADMIT_TOKENS
+        while free:
+            with self._lock:
+                if not self._queue or (budget < len(self._queue[0][1].prompt) and budget < ADMIT_TOKENS):
+                    break
+                rid, req, seed = self._queue.popleft()
+            budget -= len(req.prompt)
+            slot = free.pop(0)
+            row = self._row_state(list(req.prompt), req.max_new_tokens, seed, req.sampling, req.stop_token_ids,
+                                  req.ignore_eos)
+            st = _insert_jit(st, row, jnp.int32(slot), jnp.bool_(req.speculative))
+            self._slots[slot] = _Running(rid, req, seed, len(req.prompt), len(req.prompt))
+        return st
+
+    def _report(self, st, cancelled: set) -> list[Update]:
+        if not self._slots:
+            return []
+        lengths, done = np.asarray(st.lengths), np.asarray(st.done)
+        toks = np.asarray(st.tokens)
+        lp = None
+        if st.logprobs is not None and any(r.req.logprobs is not None for r in self._slots.values()):
+            lp = jax.tree_util.tree_map(np.asarray, st.logprobs)
+        out = []
+        for slot in sorted(self._slots):
+            r = self._slots[slot]
+            end = int(lengths[slot])
+            new = toks[slot, r.reported: end].tolist()
+            lps = None if r.req.logprobs is None else self._logprobs(lp, slot, r.reported, end, new, r.req.logprobs)
+            r.reported = end
+            if not (done[slot] or slot in cancelled):
+                out.append(Update(r.rid, new, lps, None, None, r.seed))
+                continue
+            stats = self._final_stats(st, slot, toks, lengths)
+            reason = "cancelled" if slot in cancelled else stats.finish_reason
+            out.append(Update(r.rid, new, lps, reason, stats, r.seed))
+            del self._slots[slot]
+        return out
+
+    @staticmethod
+    def _logprobs(lp, slot, a, b, new, top):
+        """Per new token ``{"id", "logprob", "top"}`` from the host log-probability buffers."""
+        return [{"id": int(t), "logprob": float(v),
+                 "top": [(int(j), float(x)) for j, x in zip(ids[:top], vals[:top]) if np.isfinite(x)]}
+                for t, v, ids, vals in zip(new, lp.token[slot, a:b], lp.top_ids[slot, a:b], lp.top_logprobs[slot, a:b])]
+
+    def _final_stats(self, st, slot, toks, lengths) -> RowStats:
+        """The row's :class:`RowStats` through :func:`host_result` (the one definition) on a
+        one-row host view of the fields it reads."""
+        one = lambda x: np.asarray(x[slot: slot + 1])  # noqa: E731
+        view = SimpleNamespace(tokens=toks[slot: slot + 1], lengths=lengths[slot: slot + 1],
+                               prompt_lengths=one(st.prompt_lengths), eos=one(st.eos),
+                               emit_info=one(st.emit_info), emit_round=one(st.emit_round),
+                               stats=SimpleNamespace(accept_hist=one(st.stats.accept_hist)), logprobs=None)
+        req = self._slots[slot].req
+        return host_result(view, 0.0, 0.0, 0.0, model_eos=[] if req.ignore_eos else self._eos).stats[0]

@@ -1,0 +1,170 @@
+"""Continuous batching (:mod:`specjax.runtime.engine`, issue 31): requests admitted into free slots
+of a running batch return exactly what ``Decoder.generate`` returns for them alone (greedy and
+seeded sampling, chains, trees, a feature-level drafter, log-probabilities), cancellation frees
+slots, bad requests are refused in one line, and nothing recompiles per request. Tiny models."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import tiny_model
+from specjax.core.sampling import Sampling, SamplingParams
+from specjax.drafters import eagle
+from specjax.drafters.model import ModelDrafter
+from specjax.drafters.ngram import NgramDrafter
+from specjax.io.loading import truncate_model
+from specjax.runtime import engine as engine_mod
+from specjax.runtime.decoder import Decoder, request_keys
+from specjax.runtime.engine import Engine, EngineRequest
+from specjax.runtime.loop import run_rounds_jit
+
+_M: dict = {}
+
+
+def _model():
+    if "m" not in _M:
+        _M["m"] = tiny_model(seed=1, scale=4.0)
+    return _M["m"]
+
+
+def _eagle(target):
+    cfg = eagle.EagleConfig.for_target(target.config, 64, 48, copy_ngram=3, feature_layers=(0, 1))
+    tp = eagle.init_params(cfg, 7)
+    tp["copy_b"] = tp["copy_b"] + 8.0  # copy where prompt lookup finds a candidate: drafts get accepted
+    sub = np.arange(0, 128, 2, dtype=np.int32)
+    return eagle.EagleDrafter(cfg, {"train": tp, "frozen": eagle.frozen_params(target, sub)}, name="eagle3")
+
+
+def _decoder(setup):
+    m = _model()
+    if setup == "ar":
+        return Decoder(m)
+    if setup == "ngram":
+        return Decoder(m, NgramDrafter(3), gamma=3)
+    if setup == "model":
+        return Decoder(m, ModelDrafter.from_model(truncate_model(m, 1), name="first1"), gamma=3)
+    return Decoder(m, _eagle(m), tree_nodes=6, tree_depth=3, tree_topk=2)
+
+
+def _requests(n=7, seed=0):
+    """Mixed prompts (3..30 tokens: one prompt bucket), greedy and seeded sampling, mixed lengths,
+    one with log-probabilities, one with speculation off (greedy)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        prompt = rng.integers(2, 128, size=int(rng.integers(3, 30))).tolist()
+        if i % 3 == 2:  # repeat a stretch: the n-gram and copy drafters find matches
+            prompt = prompt + prompt[:8]
+        sampling = Sampling() if i % 2 == 0 else Sampling(temperature=0.8, top_k=20, top_p=0.95)
+        out.append(EngineRequest(prompt, max_new_tokens=int(rng.choice([8, 16, 24])), sampling=sampling,
+                                 seed=1000 + i, logprobs=3 if i == 3 else None, speculative=i != 4))
+    return out
+
+
+def _serve(eng, reqs, arrive_every=2, cancel=()):
+    """Submit the first two requests, then one every ``arrive_every`` steps; cancel request j (by
+    index) at step ``s`` for ``(j, s)`` in ``cancel`` (``s = "queued"``: as soon as it is submitted). Returns ``{index: (tokens, final Update,
+    logprobs)}``."""
+    ids, out, k, steps = {}, {}, 0, 0
+    cancel = dict(cancel)
+    while k < len(reqs) or not eng.idle:
+        if k < 2 or (k < len(reqs) and steps % arrive_every == 1):
+            ids[eng.submit(reqs[k])] = k
+            k += 1
+        for j, s in list(cancel.items()):
+            if j < k and (s == steps or s == "queued"):  # "queued": cancelled before any step admits it
+                eng.cancel(next(r for r, i in ids.items() if i == j))
+                del cancel[j]
+        for u in eng.step():
+            j = ids[u.request_id]
+            toks, _, lps = out.get(j, ([], None, []))
+            out[j] = (toks + u.tokens, u if u.finish_reason else None, lps + (u.logprobs or []))
+        steps += 1
+        assert steps < 500
+    return out
+
+
+def _alone(dec, r):
+    return dec.generate([list(r.prompt)], max_new_tokens=r.max_new_tokens, keys=request_keys(r.seed, 1),
+                        sampling=SamplingParams.from_rows([r.sampling]), logprobs=r.logprobs)
+
+
+@pytest.mark.parametrize("setup", ["ar", "ngram", "model", "eagle3-tree"])
+def test_requests_in_slots_equal_their_alone_runs(setup):
+    """3 slots, 7 requests arriving while others run: every request's tokens, finish reason and
+    counters equal ``Decoder.generate`` of it alone with ``request_keys(seed, 1)`` (greedy and
+    sampled; a row's draws use its own round numbers, not the batch's); log-probabilities equal."""
+    dec = _decoder(setup)
+    eng = Engine(dec, slots=3, max_context=160, rounds_per_chunk=2, max_logprobs=4)
+    reqs = _requests()
+    out = _serve(eng, reqs)
+    assert sorted(out) == list(range(len(reqs)))
+    accepted = drafted = 0
+    for j, r in enumerate(reqs):
+        toks, fin, lps = out[j]
+        assert fin is not None and fin.seed == r.seed
+        if not r.speculative:  # greedy with no drafts offered: the target's own tokens, nothing drafted
+            assert toks == _alone(dec, r).tokens[0], j
+            assert fin.stats.drafted_tokens == 0 and fin.stats.target_calls == len(toks)
+            continue
+        ref = _alone(dec, r)
+        assert toks == ref.tokens[0], (setup, j)
+        assert fin.finish_reason == ref.stats[0].finish_reason
+        assert dict(fin.stats) == dict(ref.stats[0]), (setup, j)
+        accepted += fin.stats.accepted_tokens
+        drafted += fin.stats.drafted_tokens
+        if r.logprobs is not None:
+            assert [x["id"] for x in lps] == toks
+            np.testing.assert_allclose([x["logprob"] for x in lps], [x["logprob"] for x in ref.logprobs[0]],
+                                       atol=1e-5)
+            assert [[i for i, _ in x["top"]] for x in lps] == [[i for i, _ in x["top"]] for x in ref.logprobs[0]]
+    if setup != "ar":  # speculation happened: drafts verified (and, but for the n-gram drafter on random text, accepted)
+        assert drafted > 0 and (accepted > 0 or setup == "ngram"), (drafted, accepted)
+
+
+def test_cancellation_frees_the_slot_and_nothing_recompiles():
+    """Cancelling a running and a queued request ends both ("cancelled") and frees the slot for
+    the next; the others still equal their alone runs; after the first requests of a prompt
+    bucket, further requests compile nothing (insertion, chunk program)."""
+    dec = _decoder("ngram")
+    eng = Engine(dec, slots=2, max_context=160, rounds_per_chunk=2, max_logprobs=4)
+    eng.warmup()
+    reqs = _requests(6, seed=3)
+    _serve(eng, reqs[:2])  # the prompt bucket's prefill compiled
+    sizes = (engine_mod._insert_jit._cache_size(), run_rounds_jit._cache_size())
+    out = _serve(eng, reqs, cancel=[(0, 1), (5, "queued")])
+    assert (engine_mod._insert_jit._cache_size(), run_rounds_jit._cache_size()) == sizes
+    assert out[0][1].finish_reason == "cancelled" and out[5][1].finish_reason == "cancelled"
+    assert 0 < len(out[0][0]) < reqs[0].max_new_tokens and out[5][0] == [] and out[5][1].stats is None
+    for j in (1, 2, 3):
+        assert out[j][0] == _alone(dec, reqs[j]).tokens[0]
+    assert eng.idle and eng.running == 0 and eng.queued == 0
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(prompt=[]), "prompt is empty"),
+    (dict(prompt=[5] * 160), "shorten the prompt"),
+    (dict(prompt=[1, 999]), "token ids must be integers in"),
+    (dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1"),
+    (dict(sampling=0.7), "sampling must be a specjax Sampling"),
+    (dict(logprobs=5), "logprobs must be an integer in [0, 4]"),
+    (dict(stop_token_ids=list(range(20))), "stop token ids per request"),
+    (dict(seed=-1), "seed must be an integer"),
+])
+def test_bad_requests_are_refused_in_one_line(bad, message):
+    eng = Engine(_decoder("ar"), slots=2, max_context=160, max_logprobs=4)
+    kw = dict(prompt=[3, 4, 5], max_new_tokens=4)
+    kw.update(bad)
+    with pytest.raises(ValueError, match=None) as e:
+        eng.submit(EngineRequest(**kw))
+    assert message in str(e.value) and "\n" not in str(e.value)
+    assert eng.idle
+
+
+def test_engine_arguments_are_checked():
+    dec = _decoder("ar")
+    for kw, msg in [(dict(slots=0), "slots"), (dict(max_context=10 ** 6), "max_context"),
+                    (dict(rounds_per_chunk=0), "rounds_per_chunk"), (dict(max_logprobs=-1), "max_logprobs")]:
+        with pytest.raises(ValueError, match=msg):
+            Engine(dec, **kw)
