@@ -1,183 +1,15 @@
-"""Helpers of the ``specjax serve`` tests: the tiny target with a word-level tokenizer, its offline
-reference runs, a server in a thread, and — only until :mod:`specjax.runtime.engine` exists —
-a stand-in engine for the HTTP layer.
-
-``FakeEngine`` has the engine's interface (submit / cancel / step / idle / queued / running /
-slots / context_limit / warmup) and decodes every request ALONE with
-:meth:`specjax.runtime.decoder.Decoder.generate` (request key ``fold_in(seed_key(S), 0)``), then
-hands its tokens out a few per step. It tests the HTTP layer only: it is installed as
-``specjax.runtime.engine`` by :func:`install_engine` when (and only when) the real module is
-missing, and :data:`REAL_ENGINE` says which one the tests ran against.
-
-Run as a script (``python tests/serve_helpers.py serve ARGS``) it is ``specjax serve ARGS`` with
-that same rule (the SIGTERM test starts the server this way).
-"""
+"""Helpers of the ``specjax serve`` tests: the tiny target with a word-level tokenizer, a server in
+a thread (:class:`ThreadServer`), and :class:`StepGate`, which holds an engine's steps so that
+"while the slot is busy" and "mid-stream" are deterministic."""
 
 from __future__ import annotations
 
-import collections
-import importlib.util
-import os
-import random
 import socket
-import sys
 import threading
 import time
-import types
-from dataclasses import dataclass
 
 WORDS = [f"w{i}" for i in range(3, 128)]
 CHAT_TEMPLATE = "{% for m in messages %}<s> {{ m['role'] }} {{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w9{% endif %}"
-
-
-def real_engine_available() -> bool:
-    try:
-        return importlib.util.find_spec("specjax.runtime.engine") is not None
-    except ModuleNotFoundError:
-        return False
-
-
-REAL_ENGINE = real_engine_available()
-
-
-# ------------------------------------------------------------------ the stand-in engine
-@dataclass(frozen=True)
-class EngineRequest:
-    prompt: list
-    max_new_tokens: int = 64
-    sampling: object = None
-    seed: int | None = None
-    stop_token_ids: tuple = ()
-    logprobs: int | None = None
-    ignore_eos: bool = False
-    speculative: bool = True
-
-
-@dataclass(frozen=True)
-class Update:
-    request_id: int
-    tokens: list
-    logprobs: list | None
-    finish_reason: str | None
-    stats: object
-    seed: int
-
-
-class FakeEngine:
-    """The engine's interface over alone runs of a Decoder (see the module docstring)."""
-
-    CHUNK = 3  # tokens per update
-
-    def __init__(self, decoder, slots=8, max_context=None, rounds_per_chunk=4, max_logprobs=20):
-        from specjax.runtime.decoder import Decoder
-
-        self.decoder = decoder
-        self.slots = slots
-        self.max_logprobs = max_logprobs
-        self.context_limit = decoder.context_limit() if max_context is None else min(max_context,
-                                                                                     decoder.context_limit())
-        self._plain = Decoder(decoder.target, None) if decoder.drafter is not None else decoder
-        self._lock = threading.Lock()
-        self._queue: collections.deque = collections.deque()
-        self._running: dict = {}
-        self._cancelled: set = set()
-        self._next = 0
-
-    def warmup(self) -> float:
-        return 0.0
-
-    def submit(self, req) -> int:
-        if not req.prompt:
-            raise ValueError("the prompt is empty; give at least one token")
-        if len(req.prompt) + 1 > self.context_limit:
-            raise ValueError(f"the prompt has {len(req.prompt)} tokens; the context holds {self.context_limit}")
-        if req.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {req.max_new_tokens}")
-        if req.logprobs is not None and not 0 <= req.logprobs <= self.max_logprobs:
-            raise ValueError(f"logprobs must be in [0, {self.max_logprobs}], got {req.logprobs}")
-        with self._lock:
-            rid = self._next
-            self._next += 1
-            self._queue.append((rid, req))
-        return rid
-
-    def cancel(self, rid) -> None:
-        with self._lock:
-            self._cancelled.add(rid)
-
-    @property
-    def idle(self) -> bool:
-        with self._lock:
-            return not self._queue and not self._running
-
-    @property
-    def queued(self) -> int:
-        return len(self._queue)
-
-    @property
-    def running(self) -> int:
-        return len(self._running)
-
-    def _decode(self, req):
-        from specjax.core.sampling import Sampling, SamplingParams
-        from specjax.runtime.decoder import request_keys
-
-        seed = req.seed if req.seed is not None else random.getrandbits(63)
-        dec = self.decoder if req.speculative else self._plain
-        n = min(req.max_new_tokens, self.context_limit - len(req.prompt))
-        r = dec.generate([list(req.prompt)], max_new_tokens=n,
-                         sampling=SamplingParams.from_rows([req.sampling or Sampling()]), keys=request_keys(seed, 1),
-                         eos_ids=[] if req.ignore_eos else None, stop_token_ids=list(req.stop_token_ids) or None,
-                         logprobs=req.logprobs)
-        return {"tokens": r.tokens[0], "lp": None if r.logprobs is None else r.logprobs[0], "stats": r.stats[0],
-                "seed": seed, "pos": 0}
-
-    def step(self) -> list:
-        with self._lock:
-            admit = []
-            while self._queue and len(self._running) + len(admit) < self.slots:
-                admit.append(self._queue.popleft())
-            cancelled = set(self._cancelled)
-            self._cancelled.clear()
-        out = []
-        for rid, req in admit:
-            if rid in cancelled:
-                out.append(Update(rid, [], None, "cancelled", None, req.seed or 0))
-                continue
-            self._running[rid] = self._decode(req)
-        for rid in list(self._running):
-            r = self._running[rid]
-            if rid in cancelled:
-                del self._running[rid]
-                out.append(Update(rid, [], None, "cancelled", r["stats"], r["seed"]))
-                continue
-            a, b = r["pos"], r["pos"] + self.CHUNK
-            r["pos"] = b
-            toks = r["tokens"][a:b]
-            lp = None if r["lp"] is None else r["lp"][a:b]
-            done = b >= len(r["tokens"])
-            if done:
-                del self._running[rid]
-            out.append(Update(rid, toks, lp, r["stats"]["finish_reason"] if done else None,
-                              r["stats"] if done else None, r["seed"]))
-        with self._lock:  # a cancel of a request still queued waits for its admission
-            self._cancelled |= cancelled & {rid for rid, _ in self._queue}
-        return out
-
-
-def install_engine() -> bool:
-    """Make ``specjax.runtime.engine`` importable: the real module when it exists (returns True),
-    else a module holding FakeEngine as ``Engine`` (returns False)."""
-    if REAL_ENGINE:
-        return True
-    mod = types.ModuleType("specjax.runtime.engine")
-    mod.Engine, mod.EngineRequest, mod.Update = FakeEngine, EngineRequest, Update
-    mod.__doc__ = "stand-in installed by tests/serve_helpers.py (the real engine is missing)"
-    sys.modules["specjax.runtime.engine"] = mod
-    import specjax.runtime
-
-    specjax.runtime.engine = mod
-    return False
 
 
 # ------------------------------------------------------------------ the tiny pair
@@ -267,10 +99,3 @@ class StepGate:
         self.open()
         self.engine.step = self._orig
         self.engine.cancel = self._orig_cancel
-
-
-if __name__ == "__main__":  # python tests/serve_helpers.py serve ARGS: specjax serve with the engine rule above
-    install_engine()
-    from specjax.cli import main
-
-    sys.exit(main(sys.argv[1:]))

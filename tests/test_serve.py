@@ -5,8 +5,7 @@ counters, ``/v1/models``, ``/health``, ``/tokenize``, ``/metrics``; malformed re
 the server alive after them), the API key (401) and a full queue (429); the CLI's own errors.
 
 The server drives ``specjax.runtime.engine.Engine`` over a tiny random target (word-level
-tokenizer) and a 1-layer early-exit draft model of it, γ = 3. Until the engine module exists the
-tests run against the stand-in of tests/serve_helpers.py (``REAL_ENGINE`` False).
+tokenizer) and a 1-layer early-exit draft model of it, γ = 3.
 """
 
 from __future__ import annotations
@@ -21,14 +20,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import serve_helpers as H
-
-H.install_engine()
-
-from specjax.api import TextStream, stop_cut  # noqa: E402
-from specjax.core.sampling import Sampling, SamplingParams  # noqa: E402
-from specjax.runtime.decoder import Decoder, request_keys  # noqa: E402
+from specjax.api import TextStream, stop_cut
+from specjax.core.sampling import Sampling, SamplingParams
+from specjax.runtime.decoder import Decoder, request_keys
+from specjax.runtime.engine import Engine
 
 MODEL = "tiny-serve"
+CONTEXT = 256  # tokens per request (prompt + new): the slots' buffers
 GAMMA = 3
 
 
@@ -54,11 +52,10 @@ class Pair:
 
 
 def make_app(pair, slots=4, **kw):
-    from specjax.runtime.engine import Engine
     from specjax.serve.app import create_app
     from specjax.serve.protocol import ServeDefaults
 
-    engine = Engine(Decoder(pair.target, pair.drafter, GAMMA), slots=slots, max_logprobs=20)
+    engine = Engine(Decoder(pair.target, pair.drafter, GAMMA), slots=slots, max_context=CONTEXT, max_logprobs=20)
     engine.warmup()
     d = ServeDefaults(model_name=MODEL, context_limit=int(engine.context_limit),
                       vocab_size=pair.target.config.vocab_size, max_new_tokens=12, chat=True)
@@ -86,18 +83,13 @@ PROMPT = "w5 w6 w7 w8 w5 w6 w7"
 MESSAGES = [{"role": "system", "content": "w40 w41"}, {"role": "user", "content": "w5 w6 w7 w8 w5"}]
 
 
-def test_engine_under_test_is_reported():
-    # not an assertion on behaviour: the line in -rA/-ra output says which engine these tests drove
-    print(f"serve tests drive the {'real specjax.runtime.engine.Engine' if H.REAL_ENGINE else 'stand-in FakeEngine'}")
-
-
 def test_models_health_tokenize(server, client, pair):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
     h = httpx.get(server.url + "/health")
     assert h.status_code == 200 and h.json()["status"] == "ok" and h.json()["slots"] == 4
     r = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}).json()
-    assert r["tokens"] == pair.tok.encode(PROMPT) and r["count"] == 7 and r["max_model_len"] == 512
+    assert r["tokens"] == pair.tok.encode(PROMPT) and r["count"] == 7 and r["max_model_len"] == CONTEXT
     r = httpx.post(server.url + "/tokenize", json={"model": MODEL, "messages": MESSAGES}).json()
     assert r["tokens"] == pair.tok.encode_chat(MESSAGES)
 
@@ -201,7 +193,7 @@ def test_speculative_false_decodes_without_the_drafter(client, pair):
     off = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, extra_body={"speculative": False})
     assert off.choices[0].text == on.choices[0].text  # greedy speculation is exact
     ext = off.model_extra["specjax"]
-    assert ext["draft_calls"] == 0 and ext["drafted_tokens"] == 0 and ext["acceptance_rate"] is None
+    assert ext["drafted_tokens"] == 0 and ext["accepted_tokens"] == 0 and ext["acceptance_rate"] is None
     assert ext["target_calls"] == off.usage.completion_tokens  # one token per target call
     assert on.model_extra["specjax"]["target_calls"] < ext["target_calls"]
 
@@ -228,7 +220,7 @@ def test_metrics_parse(server, client):
     assert value("specjax_target_calls", "specjax_target_calls_total") >= 1
 
 
-LONG = " ".join(["w5"] * 600)
+LONG = " ".join(["w5"] * CONTEXT)
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
 OK_C = {"model": MODEL, "prompt": PROMPT}
