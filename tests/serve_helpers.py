@@ -34,6 +34,50 @@ def tiny_target(seed: int = 7):
     return tiny_model(seed=seed, scale=3.0).replace(tokenizer=word_tokenizer(), name="tiny-serve")
 
 
+MODEL = "tiny-serve"
+CONTEXT = 256  # tokens per request (prompt + new): the slots' buffers
+GAMMA = 3
+
+
+class Pair:
+    """The tiny target, its drafter, and offline Decoders (speculative and plain) for the references."""
+
+    def __init__(self):
+        from specjax.drafters.model import ModelDrafter
+        from specjax.io.loading import truncate_model
+        from specjax.runtime.decoder import Decoder
+
+        self.target = tiny_target()
+        self.tok = self.target.tokenizer
+        self.drafter = ModelDrafter.from_model(truncate_model(self.target, 1), name="first1")
+        self.spec = Decoder(self.target, self.drafter, GAMMA)
+        self.plain = Decoder(self.target, None)
+
+    def offline(self, ids, max_new, sampling=None, seed=0, speculative=True, logprobs=None):
+        """The Decoder run of one prompt alone with request key fold_in(seed_key(seed), 0)."""
+        from specjax.core.sampling import Sampling, SamplingParams
+        from specjax.runtime.decoder import request_keys
+
+        dec = self.spec if speculative else self.plain
+        return dec.generate([list(ids)], max_new_tokens=max_new,
+                            sampling=SamplingParams.from_rows([sampling or Sampling()]),
+                            keys=request_keys(seed, 1), logprobs=logprobs)
+
+
+def make_app(pair, slots=4, **kw):
+    """The app serving ``pair`` with a warmed-up Engine of ``slots`` slots (``kw``: create_app's)."""
+    from specjax.runtime.decoder import Decoder
+    from specjax.runtime.engine import Engine
+    from specjax.serve.app import create_app
+    from specjax.serve.protocol import ServeDefaults
+
+    engine = Engine(Decoder(pair.target, pair.drafter, GAMMA), slots=slots, max_context=CONTEXT, max_logprobs=20)
+    engine.warmup()
+    d = ServeDefaults(model_name=MODEL, context_limit=int(engine.context_limit),
+                      vocab_size=pair.target.config.vocab_size, max_new_tokens=12, chat=True)
+    return create_app(engine, pair.tok, d, **kw)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -21,45 +21,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import serve_helpers as H
 from specjax.api import TextStream, stop_cut
-from specjax.core.sampling import Sampling, SamplingParams
-from specjax.runtime.decoder import Decoder, request_keys
-from specjax.runtime.engine import Engine
+from specjax.core.sampling import Sampling
 
-MODEL = "tiny-serve"
-CONTEXT = 256  # tokens per request (prompt + new): the slots' buffers
-GAMMA = 3
-
-
-class Pair:
-    """The tiny target, its drafter, and offline Decoders (speculative and plain) for the references."""
-
-    def __init__(self):
-        from specjax.drafters.model import ModelDrafter
-        from specjax.io.loading import truncate_model
-
-        self.target = H.tiny_target()
-        self.tok = self.target.tokenizer
-        self.drafter = ModelDrafter.from_model(truncate_model(self.target, 1), name="first1")
-        self.spec = Decoder(self.target, self.drafter, GAMMA)
-        self.plain = Decoder(self.target, None)
-
-    def offline(self, ids, max_new, sampling=None, seed=0, speculative=True, logprobs=None):
-        """The Decoder run of one prompt alone with request key fold_in(seed_key(seed), 0)."""
-        dec = self.spec if speculative else self.plain
-        return dec.generate([list(ids)], max_new_tokens=max_new,
-                            sampling=SamplingParams.from_rows([sampling or Sampling()]),
-                            keys=request_keys(seed, 1), logprobs=logprobs)
-
-
-def make_app(pair, slots=4, **kw):
-    from specjax.serve.app import create_app
-    from specjax.serve.protocol import ServeDefaults
-
-    engine = Engine(Decoder(pair.target, pair.drafter, GAMMA), slots=slots, max_context=CONTEXT, max_logprobs=20)
-    engine.warmup()
-    d = ServeDefaults(model_name=MODEL, context_limit=int(engine.context_limit),
-                      vocab_size=pair.target.config.vocab_size, max_new_tokens=12, chat=True)
-    return create_app(engine, pair.tok, d, **kw)
+MODEL, CONTEXT, GAMMA, Pair, make_app = H.MODEL, H.CONTEXT, H.GAMMA, H.Pair, H.make_app
 
 
 @pytest.fixture(scope="module")

@@ -45,6 +45,7 @@ from specjax.serve.worker import EngineFault, EngineWorker, WorkerStopped
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
 DISCONNECT_POLL_S = 1.0  # a non-streaming request checks this often whether its client is still there
+SHUTDOWN_MARGIN_S = 5.0  # after the graceful window: time for the cancelled requests to end their responses
 PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/health", "/metrics")
 
 
@@ -142,6 +143,15 @@ class ServeApp:
             if not ok:
                 print(f"specjax serve: note: the engine thread did not stop within {self.shutdown_timeout:g} s; "
                       "exiting anyway", file=sys.stderr, flush=True)
+
+    def begin_shutdown(self) -> None:
+        """The server got SIGTERM/SIGINT (uvicorn stops accepting connections): new requests get 503,
+        ``/health`` says ``stopping``, and the requests in flight get ``shutdown_timeout`` seconds
+        to finish; then they are cancelled in the engine, and each ends its response normally with
+        ``finish_reason`` ``"cancelled"`` (so no HTTP task is left for uvicorn to kill)."""
+        self.stopping = True
+        if self.worker is not None:
+            asyncio.get_running_loop().call_later(self.shutdown_timeout, self.worker.cancel_all)
 
     # ---- helpers
     def _authorize(self, request: Request) -> None:
@@ -365,14 +375,22 @@ def create_app(engine, tokenizer, defaults: P.ServeDefaults, *, api_key: str | N
 
 
 def make_server(app, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout: float = 10.0, log_level="warning"):
-    """A uvicorn server for ``app``. On SIGTERM/SIGINT it stops accepting connections, lets the
-    requests in flight finish for up to ``shutdown_timeout`` seconds (then cancels them: each
-    cancels its engine request), stops the engine thread, and returns (the caller exits 0;
-    uvicorn's default of re-raising the signal afterwards, which would end the process with
-    status 143, is not used)."""
+    """A uvicorn server for ``app`` (from :func:`create_app`). On SIGTERM/SIGINT (or ``should_exit``)
+    it stops accepting connections, lets the requests in flight finish for up to
+    ``shutdown_timeout`` seconds, then cancels them in the engine (each response ends with
+    ``finish_reason`` ``"cancelled"``: :meth:`ServeApp.begin_shutdown`), stops the engine thread
+    (the app's lifespan), and returns: the caller exits 0. (uvicorn's default of re-raising the
+    signal afterwards, which would end the process with status 143, is not used; its own task
+    cancellation, ``SHUTDOWN_MARGIN_S`` later, is only a backstop.)"""
     import uvicorn
 
     class _Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            serve = getattr(getattr(app, "state", None), "serve", None)
+            if serve is not None:
+                serve.begin_shutdown()
+            await super().shutdown(sockets)
+
         @contextlib.contextmanager
         def capture_signals(self):  # uvicorn's, without re-raising the signal after the graceful shutdown
             import signal
@@ -389,6 +407,7 @@ def make_server(app, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout
                 for sig, h in saved.items():
                     signal.signal(sig, h)
 
+    # uvicorn's own deadline only backs ours up (ServeApp.begin_shutdown cancels the requests at shutdown_timeout)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, lifespan="on",
-                            timeout_graceful_shutdown=shutdown_timeout)
+                            timeout_graceful_shutdown=shutdown_timeout + SHUTDOWN_MARGIN_S)
     return _Server(config)

@@ -8,9 +8,9 @@ The thread loops ``updates = engine.step()`` while the engine has work, and slee
 in ``engine.step()`` does not kill the thread: every request in flight gets the exception (its
 HTTP request answers 500 with the message) and the thread goes on with new requests.
 
-Stopping (:meth:`EngineWorker.stop`, on SIGTERM after uvicorn's graceful shutdown): no new
-request is accepted, every request in flight is cancelled (``engine.cancel``), the thread steps
-until the engine is idle or ``timeout`` seconds have passed, and exits.
+Stopping (:meth:`EngineWorker.stop`, at the app's lifespan shutdown, after the HTTP requests have
+ended): no new request is accepted, any request still in flight is cancelled (``engine.cancel``),
+the thread steps until the engine is idle or ``timeout`` seconds have passed, and exits.
 """
 
 from __future__ import annotations
@@ -86,6 +86,16 @@ class EngineWorker:
             self.engine.cancel(rid)
             self._wake.set()
 
+    def cancel_all(self) -> int:
+        """Cancel every request in flight (their final updates, ``"cancelled"``, still arrive).
+        Returns how many."""
+        with self._lock:
+            rids = list(self._routes)
+        for rid in rids:
+            self.engine.cancel(rid)
+        self._wake.set()
+        return len(rids)
+
     def stop(self, timeout: float = 10.0) -> bool:
         """Refuse new requests, cancel the ones in flight, let the thread step until the engine is
         idle (at most ``timeout`` seconds), and join it. Returns whether the thread ended in time."""
@@ -148,5 +158,8 @@ class EngineWorker:
                 self.engine.cancel(rid)
             except Exception:  # noqa: BLE001
                 pass
-            self.loop.call_soon_threadsafe(q.put_nowait, EngineFault(f"the engine failed: {type(e).__name__}: {e}"))
+            try:
+                self.loop.call_soon_threadsafe(q.put_nowait, EngineFault(f"the engine failed: {type(e).__name__}: {e}"))
+            except RuntimeError:  # the event loop has closed
+                pass
         time.sleep(0.05)  # a fault that repeats at once does not spin a core
