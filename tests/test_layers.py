@@ -1,6 +1,6 @@
 """GATE (issue 16): imports inside ``specjax/`` run one way — core → models → drafters → runtime →
-io → api → eval → train → cli — with no cycle, and nothing outside the CLI imports
-``specjax.cli``. Every import counts, also those inside functions (read with ``ast``)."""
+io → api → eval → train → serve → cli — with no cycle, and nothing outside the CLI imports
+``specjax.cli`` (nor, by its rank, anything but the CLI ``specjax.serve``). Every import counts, also those inside functions (read with ``ast``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "specjax"
 # a module may import its own layer and the layers before it (train may use eval: bench reports)
-LAYERS = ["core", "models", "drafters", "runtime", "io", "api", "eval", "train", "cli"]
+LAYERS = ["core", "models", "drafters", "runtime", "io", "api", "eval", "train", "serve", "cli"]
 RANK = {name: i for i, name in enumerate(LAYERS)}
 
 

@@ -337,3 +337,38 @@ def test_cli_errors_are_one_line(argv, words, capsys, monkeypatch):
     assert main(["serve", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("specjax: error:") and words in err and "\n" not in err, err
+
+
+def test_engine_fault_is_a_500_and_the_server_goes_on(server):
+    engine = server.app.state.serve.engine
+    own_step = engine.step
+    calls = []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected fault")
+        return own_step()
+
+    engine.step = failing_step
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as h:
+            r = h.post(COMP, json={**OK_C, "max_tokens": 4})
+            assert r.status_code == 500
+            err = r.json()["error"]
+            assert err["type"] == "server_error" and "injected fault" in err["message"]
+            ok = h.post(COMP, json={**OK_C, "max_tokens": 4})
+            assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+            assert h.get("/health").status_code == 200
+    finally:
+        engine.step = own_step
+    assert server.app.state.serve.worker.faults == 1
+
+
+def test_harmless_fields_are_accepted(server):
+    with httpx.Client(base_url=server.url, timeout=60) as h:
+        for path, body in ((COMP, OK_C), (CHAT, OK_M)):
+            r = h.post(path, json={**body, "max_tokens": 2, "user": "u1", "metadata": {"k": "v"}, "n": 1,
+                                   "store": False, "stream_options": None, "tools": [], "echo": False})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 2
