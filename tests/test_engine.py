@@ -168,3 +168,20 @@ def test_engine_arguments_are_checked():
                     (dict(rounds_per_chunk=0), "rounds_per_chunk"), (dict(max_logprobs=-1), "max_logprobs")]:
         with pytest.raises(ValueError, match=msg):
             Engine(dec, **kw)
+
+
+def test_speculation_under_load_keeps_every_guarantee():
+    """``spec_max_running=0``: greedy rows and unseeded sampled rows stop speculating once a request
+    runs (no drafts offered, tokens = the alone run's for greedy rows), while seeded sampled rows
+    keep their method and still equal ``generate --seed`` alone."""
+    dec = _decoder("model")
+    eng = Engine(dec, slots=3, max_context=160, rounds_per_chunk=2, max_logprobs=4, spec_max_running=0)
+    reqs = _requests(6, seed=5)
+    out = _serve(eng, reqs)
+    for j, r in enumerate(reqs):
+        toks, fin, _ = out[j]
+        assert toks == _alone(dec, r).tokens[0], j
+        if r.sampling.temperature == 0:
+            assert fin.stats.drafted_tokens == 0, j
+        elif r.speculative:
+            assert fin.stats.drafted_tokens > 0, j

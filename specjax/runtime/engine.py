@@ -120,8 +120,14 @@ def end_rows(state, mask):
     return dataclasses.replace(state, done=state.done | mask)
 
 
+def set_speculate(state, speculate):
+    """``state`` with ``speculate [B]`` (bool) as its rows' speculation switches."""
+    return dataclasses.replace(state, speculate=speculate)
+
+
 _insert_jit = jax.jit(insert_row, donate_argnums=0)
 _end_jit = jax.jit(end_rows, donate_argnums=0)
+_speculate_jit = jax.jit(set_speculate, donate_argnums=0)
 
 
 def _check_int(name, v, lo, hi=None):
@@ -139,6 +145,11 @@ class Engine:
     cost of every round. ``rounds_per_chunk``: rounds between admissions and updates.
     ``max_logprobs``: the most top alternatives a request may ask for (the programs record this
     many for every row and each request gets its own count); ``None``: log-probabilities off.
+    ``spec_max_running``: speculation under load — while more than this many requests run, rows
+    whose tokens do not depend on it stop speculating (greedy rows: the same tokens either way;
+    sampled rows without a ``seed``: the same distribution), so a full batch decodes as plain
+    autoregressive rounds once every row qualifies; a sampled request with a ``seed`` keeps its
+    method (its tokens are ``generate --seed``'s). ``None``: always speculate.
 
     Thread safety: :meth:`submit` and :meth:`cancel` may be called from any thread; :meth:`step`
     from one thread only.
@@ -149,7 +160,7 @@ class Engine:
     """
 
     def __init__(self, decoder: Decoder, slots: int = 8, max_context: int | None = None,
-                 rounds_per_chunk: int = 4, max_logprobs: int | None = 20):
+                 rounds_per_chunk: int = 4, max_logprobs: int | None = 20, spec_max_running: int | None = None):
         if decoder.mesh is not None:
             raise ValueError("the engine runs on one device; drop the mesh (--mesh) to serve")
         _check_int("slots", slots, 1)
@@ -160,6 +171,9 @@ class Engine:
         ctx = decoder.context_limit()
         if max_context is not None:
             _check_int("max_context", max_context, 2, ctx)
+        if spec_max_running is not None:
+            _check_int("spec_max_running", spec_max_running, 0)
+        self.spec_max_running = spec_max_running
         self.decoder = decoder
         self.slots = int(slots)
         self.rounds_per_chunk = int(rounds_per_chunk)
@@ -174,6 +188,7 @@ class Engine:
         self._next_id = 0
         self._slots: dict[int, _Running] = {}
         self._state = None
+        self._speculating = None  # the running rows' switches last set by _policy
 
     # ---- requests (any thread)
     def submit(self, req: EngineRequest) -> int:
@@ -288,6 +303,7 @@ class Engine:
             st = _end_jit(st, jax.device_put(mask))
         st = self._admit(st)
         if any(s not in ending for s in self._slots):
+            st = self._policy(st)
             st = self._run_chunk(st, self.rounds_per_chunk)
         self._state = st
         updates += self._report(st, set(ending))
@@ -307,6 +323,24 @@ class Engine:
                                   req.ignore_eos)
             st = _insert_jit(st, row, jnp.int32(slot), jnp.bool_(req.speculative))
             self._slots[slot] = _Running(rid, req, seed, len(req.prompt), len(req.prompt))
+            if self._speculating is not None:  # what insert_row set
+                self._speculating[slot] = bool(req.speculative)
+        return st
+
+    def _policy(self, st):
+        """Set each running row's speculation switch (``spec_max_running``); one small device
+        update when a switch changes."""
+        if self.spec_max_running is None or self.decoder.drafter is None:
+            return st
+        load = len(self._slots) > self.spec_max_running
+        want = np.zeros(self.slots, bool)
+        for slot, r in self._slots.items():
+            pinned = r.req.seed is not None and r.req.sampling.temperature > 0
+            want[slot] = r.req.speculative and (pinned or not load)
+        if self._speculating is None or not np.array_equal(want[list(self._slots)],
+                                                           self._speculating[list(self._slots)]):
+            st = _speculate_jit(st, jax.device_put(want))
+        self._speculating = want
         return st
 
     def _report(self, st, cancelled: set) -> list[Update]:
