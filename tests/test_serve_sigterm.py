@@ -35,7 +35,7 @@ def _start(model_dir, port, *extra):
     env.pop("SPECJAX_DEBUG", None)
     cmd = [sys.executable, "-m", "specjax.cli", "serve", "--model", model_dir, "--draft", "ngram", "--gamma", "3",
            "--port", str(port), "--max-batch", "2", "--max-context", "512", "--max-new-tokens", "16",
-           "--shutdown-timeout", str(SHUTDOWN_S), *extra]
+           "--shutdown-timeout", str(SHUTDOWN_S), "--spec-max-running", "1", *extra]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
 
 

@@ -34,6 +34,8 @@ def _check_flags(args) -> None:
         raise UsageError(f"--max-queue must be >= 0 (requests waiting for a slot), got {args.max_queue}")
     if args.max_context is not None and args.max_context < 2:
         raise UsageError(f"--max-context must be >= 2 tokens (a prompt token and a new one), got {args.max_context}")
+    if args.spec_max_running is not None and args.spec_max_running < 0:
+        raise UsageError(f"--spec-max-running must be >= 0 (running requests), got {args.spec_max_running}")
     if args.rounds_per_chunk < 1:
         raise UsageError(f"--rounds-per-chunk must be >= 1, got {args.rounds_per_chunk}")
     if not args.shutdown_timeout > 0:
@@ -133,7 +135,7 @@ def build_engine(target, drafter, gamma, tree, mesh, progress, args):
                                                           tree_topk=tree.topk)
     dec = Decoder(target, drafter, gamma if drafter is not None else 1, mesh=mesh, progress=progress, **kw)
     engine = Engine(dec, slots=args.max_batch, max_context=args.max_context, rounds_per_chunk=args.rounds_per_chunk,
-                    max_logprobs=MAX_LOGPROBS)
+                    max_logprobs=MAX_LOGPROBS, spec_max_running=args.spec_max_running)
     if not args.warmup:
         return engine, None
     with phase(progress, f"warm-up: compiling the engine's programs ({args.max_batch} slots)"):
@@ -159,6 +161,10 @@ def register_cli(subparsers) -> None:
     p.add_argument("--max-context", type=int, default=None, metavar="N",
                    help="tokens one request may hold, prompt + new (default: the model's context); every slot "
                         "holds this many, so it sets the KV-cache memory and each round's attention cost")
+    p.add_argument("--spec-max-running", type=int, default=None, metavar="N",
+                   help="speculation under load: while more than N requests run, greedy requests and sampled ones "
+                        "without a seed decode without drafts (same tokens / same distribution); seeded sampled "
+                        "requests keep speculating (default: always speculate)")
     p.add_argument("--rounds-per-chunk", type=int, default=4, metavar="N",
                    help="speculation rounds per engine step (one streamed update per step; default 4)")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
