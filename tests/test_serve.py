@@ -372,3 +372,32 @@ def test_harmless_fields_are_accepted(server):
                                    "store": False, "stream_options": None, "tools": [], "echo": False})
             assert r.status_code == 200, r.text
             assert r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_served_model_name():
+    from types import SimpleNamespace
+
+    from specjax.cli.serve import served_name
+
+    t = SimpleNamespace(name="SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert served_name(None, None, t) == served_name(None, "default", t) == "SmolLM2-135M-Instruct"
+    assert served_name("mine", None, t) == "mine"
+    assert served_name(None, "/m/Qwen3-0.6B.gguf", SimpleNamespace(name="Qwen3-0.6B.gguf")) == "Qwen3-0.6B"
+    assert served_name(None, "/m/tiny", SimpleNamespace(name="tiny")) == "tiny"
+
+
+def test_client_gone_while_waiting_for_a_whole_response_cancels(server):
+    gate = H.StepGate(server.app.state.serve.engine)
+    try:  # no step runs: the request can only end through the client's disconnect
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + COMP, json={**OK_C, "max_tokens": 50}, timeout=1.0)
+        t0 = time.time()
+        while not gate.cancels and time.time() - t0 < 30:
+            time.sleep(0.05)
+        assert len(gate.cancels) == 1
+        gate.open()
+        while server.app.state.serve.worker.in_flight and time.time() - t0 < 30:
+            time.sleep(0.05)
+        assert server.app.state.serve.worker.in_flight == 0
+    finally:
+        gate.restore()

@@ -101,7 +101,7 @@ def cmd_serve(args) -> int:
     from specjax.serve.app import create_app, make_server
     from specjax.serve.protocol import ServeDefaults
 
-    name = args.served_model_name or target.name
+    name = served_name(args.served_model_name, s["model"], target)
     defaults = ServeDefaults(model_name=name, context_limit=int(engine.context_limit),
                              vocab_size=int(target.config.vocab_size), max_new_tokens=int(s["max_new_tokens"]),
                              sampling=s["sampling"], ignore_eos=bool(args.ignore_eos),
@@ -122,6 +122,18 @@ def cmd_serve(args) -> int:
 
 
 MAX_LOGPROBS = 20
+DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"  # the embedded default model, as generate names it
+
+
+def served_name(given: str | None, model: str | None, target) -> str:
+    """The model id of ``/v1/models``: ``--served-model-name``, else ``SmolLM2-135M-Instruct`` for the
+    embedded default model, else the target's name without a ``.gguf`` suffix."""
+    if given:
+        return given
+    if model in (None, "default"):
+        return DEFAULT_SERVED_NAME
+    name = str(target.name or model)
+    return name[: -len(".gguf")] if name.endswith(".gguf") else name
 
 
 def build_engine(target, drafter, gamma, tree, mesh, progress, args):
@@ -157,7 +169,8 @@ def register_cli(subparsers) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1 and /tokenize (default $SPECJAX_API_KEY; "
                         "none: open)")
     p.add_argument("--served-model-name", default=None, metavar="NAME",
-                   help="the model id of /v1/models and of requests' 'model' (default: the target's name)")
+                   help="the model id of /v1/models and of requests' 'model' (default: SmolLM2-135M-Instruct for "
+                        "the default model, else the target's name)")
     p.add_argument("--max-context", type=int, default=None, metavar="N",
                    help="tokens one request may hold, prompt + new (default: the model's context); every slot "
                         "holds this many, so it sets the KV-cache memory and each round's attention cost")
