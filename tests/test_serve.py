@@ -401,3 +401,27 @@ def test_client_gone_while_waiting_for_a_whole_response_cancels(server):
         assert server.app.state.serve.worker.in_flight == 0
     finally:
         gate.restore()
+
+
+def test_a_new_sampling_field_is_a_request_field(monkeypatch):
+    """Settings declared once (issue 27): a field added to Sampling's declaration alone is a request
+    field of both endpoints, validated with its declared range."""
+    import dataclasses
+
+    from specjax.core import sampling as sampling_mod
+    from specjax.core.settings import knob
+    from specjax.serve import protocol as P
+
+    new = dataclasses.make_dataclass(
+        "Sampling", [("foo_weight", float, knob(0.0, kind=float, check=lambda v: 0 <= v <= 3,
+                                                  expect="a number in [0, 3] (0 = off)", help="a new knob"))],
+        bases=(sampling_mod.Sampling,), frozen=True)
+    monkeypatch.setattr(sampling_mod, "Sampling", new)
+    tok = H.word_tokenizer()
+    d = P.ServeDefaults(model_name=MODEL, context_limit=CONTEXT, vocab_size=128, sampling=new())
+    req = P.parse_completion({**OK_C, "foo_weight": 1.5, "temperature": 0.5}, tok, d)
+    assert isinstance(req.sampling, new) and req.sampling.foo_weight == 1.5 and req.sampling.temperature == 0.5
+    assert P.parse_chat({**OK_M, "foo_weight": 2}, tok, d).sampling.foo_weight == 2
+    with pytest.raises(P.RequestError, match=r"foo_weight must be a number in \[0, 3\]") as e:
+        P.parse_completion({**OK_C, "foo_weight": 4}, tok, d)
+    assert e.value.param == "foo_weight" and e.value.status == 400

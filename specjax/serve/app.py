@@ -232,15 +232,17 @@ class ServeApp:
 
     async def _whole(self, request, run: _Run, rid: int, queue, kind, oid, created) -> Response:
         """Wait for the request's last update (cancel it if the client goes away); the whole response."""
-        done = False
+        done, getter = False, None
         try:
             while True:
-                try:
-                    item = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
+                if getter is None:
+                    getter = asyncio.ensure_future(queue.get())
+                ready, _ = await asyncio.wait({getter}, timeout=DISCONNECT_POLL_S)  # (the getter is not cancelled)
+                if not ready:
                     if await request.is_disconnected():
-                        return Response(status_code=499)
+                        return Response(status_code=499)  # nobody reads it; the finally cancels the request
                     continue
+                item, getter = getter.result(), None
                 if isinstance(item, EngineFault):
                     done = True
                     raise P.RequestError(str(item), code="engine_error", status=500, type="server_error")
@@ -251,6 +253,8 @@ class ServeApp:
                     done = True
                     break
         finally:
+            if getter is not None:
+                getter.cancel()
             if not done:
                 self.worker.cancel(rid)
         self._ended(run)

@@ -20,7 +20,8 @@ import dataclasses
 import json
 from typing import Any
 
-from specjax.core.sampling import Sampling
+from specjax.core import sampling as sampling_mod
+from specjax.core.sampling import Sampling  # (annotations and the default; code reads sampling_mod.Sampling: the declaration)
 from specjax.core.settings import SettingError, is_int, knobs, of_kind
 
 SEED_LIMIT = 2 ** 64  # seeds are integers in [0, 2**64) (specjax.runtime.decoder.SEED_LIMIT)
@@ -135,7 +136,9 @@ def parse_json(raw: bytes) -> dict:
 
 
 def _sampling_fields() -> dict:
-    return {name: k for name, k, _ in knobs(Sampling)}
+    """Every declared sampling field (:class:`~specjax.core.sampling.Sampling`, looked up when used):
+    each is a request field of the same name."""
+    return {name: k for name, k, _ in knobs(sampling_mod.Sampling)}
 
 
 _COMMON = ("model", "max_tokens", "seed", "stop", "stop_token_ids", "stream", "logprobs", "speculative",
@@ -194,7 +197,8 @@ def _bool(body: dict, name: str, default: bool) -> bool:
 
 
 def _sampling(body: dict, d: ServeDefaults) -> Sampling:
-    """The request's :class:`Sampling`: its given fields over the server's, validated by Sampling itself."""
+    """The request's :class:`Sampling`: its given fields over the server's (``d.sampling``), validated by
+    Sampling itself (a field of the wrong kind: the declared range in words)."""
     fields = _sampling_fields()
     given = {}
     for name, k in fields.items():
