@@ -15,9 +15,9 @@ from specjax.drafters.model import ModelDrafter
 from specjax.drafters.ngram import NgramDrafter
 from specjax.io.loading import truncate_model
 from specjax.runtime import engine as engine_mod
+from specjax.runtime import decoder as decoder_mod
 from specjax.runtime.decoder import Decoder, request_keys
 from specjax.runtime.engine import Engine, EngineRequest
-from specjax.runtime.loop import run_rounds_jit
 
 _M: dict = {}
 
@@ -91,12 +91,15 @@ def _alone(dec, r):
 
 
 @pytest.mark.parametrize("setup", ["ar", "ngram", "model", "eagle3-tree"])
-def test_requests_in_slots_equal_their_alone_runs(setup):
+def test_requests_in_slots_equal_their_alone_runs(setup, monkeypatch):
     """3 slots, 7 requests arriving while others run: every request's tokens, finish reason and
     counters equal ``Decoder.generate`` of it alone with ``request_keys(seed, 1)`` (greedy and
-    sampled; a row's draws use its own round numbers, not the batch's); log-probabilities equal."""
+    sampled; a row's draws use its own round numbers, not the batch's); log-probabilities equal.
+    The slots hold 320 tokens and attend through views of 64 and 128 slots (``KV_VIEW_MIN`` 64),
+    as a served context of thousands would through views of 256, 512, ..."""
+    monkeypatch.setattr(decoder_mod, "KV_VIEW_MIN", 64)
     dec = _decoder(setup)
-    eng = Engine(dec, slots=3, max_context=160, rounds_per_chunk=2, max_logprobs=4)
+    eng = Engine(dec, slots=3, max_context=300, rounds_per_chunk=2, max_logprobs=4)
     reqs = _requests()
     out = _serve(eng, reqs)
     assert sorted(out) == list(range(len(reqs)))
@@ -132,9 +135,9 @@ def test_cancellation_frees_the_slot_and_nothing_recompiles():
     eng.warmup()
     reqs = _requests(6, seed=3)
     _serve(eng, reqs[:2])  # the prompt bucket's prefill compiled
-    sizes = (engine_mod._insert_jit._cache_size(), run_rounds_jit._cache_size())
+    sizes = (engine_mod._insert_jit._cache_size(), len(dec._compiled))
     out = _serve(eng, reqs, cancel=[(0, 1), (5, "queued")])
-    assert (engine_mod._insert_jit._cache_size(), run_rounds_jit._cache_size()) == sizes
+    assert (engine_mod._insert_jit._cache_size(), len(dec._compiled)) == sizes
     assert out[0][1].finish_reason == "cancelled" and out[5][1].finish_reason == "cancelled"
     assert 0 < len(out[0][0]) < reqs[0].max_new_tokens and out[5][0] == [] and out[5][1].stats is None
     for j in (1, 2, 3):
@@ -185,3 +188,28 @@ def test_speculation_under_load_keeps_every_guarantee():
             assert fin.stats.drafted_tokens == 0, j
         elif r.speculative:
             assert fin.stats.drafted_tokens > 0, j
+
+
+@pytest.mark.parametrize("fmt, setup", [("int8", "ngram"), ("float32", "eagle3-tree")])
+def test_attention_views_give_the_full_buffers_tokens(fmt, setup, monkeypatch):
+    """``Decoder.run``'s ladder of attention views (issue 29: decode cost follows the live length):
+    rows of 5, 40 and 90 prompt tokens decoding 150 new tokens through views of 64 and 128 slots,
+    then the whole buffer, give exactly the tokens of the whole buffer from the start."""
+    from specjax.io.loading import convert_model
+
+    m = _model() if fmt == "float32" else convert_model(_model(), fmt)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(2, 128, size=n).tolist() for n in (5, 40, 90)]
+
+    def run(view_min):
+        monkeypatch.setattr(decoder_mod, "KV_VIEW_MIN", view_min)
+        dec = Decoder(m, NgramDrafter(3), gamma=3) if setup == "ngram" else \
+            Decoder(m, _eagle(m), tree_nodes=6, tree_depth=3, tree_topk=2)
+        res = dec.generate(prompts, max_new_tokens=150, eos_ids=[])
+        return res, sorted(k[1].kv_view or 0 for k in dec._compiled if k[0] == "run")
+
+    full, views_full = run(10 ** 9)
+    viewed, views = run(64)
+    assert views_full == [0] and views == [0, 128]  # the 90-token row starts beyond 64 slots
+    assert viewed.tokens == full.tokens
+    assert [dict(s) for s in viewed.stats] == [dict(s) for s in full.stats]

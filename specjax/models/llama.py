@@ -68,6 +68,7 @@ def decoder_block(
     inv_freq=None,
     tree_mask: Bool[Array, "batch seq seq"] | None = None,
     window: int | None = None,
+    kv_view: int | None = None,
 ) -> tuple[Float[Array, "batch seq hidden"], jax.Array, jax.Array]:
     """One decoder block (pre-norm GQA attention with RoPE, then SwiGLU MLP; Gemma: GeGLU and the
     sandwich norms ``attn_post_norm`` / ``mlp_post_norm`` after each sub-layer) on the residual
@@ -90,6 +91,10 @@ def decoder_block(
       inv_freq: this block's RoPE frequencies ``[hd/2]`` (default ``cfg.rope_inv_freq()``; a model
         with per-layer RoPE passes ``cfg.layer_inv_freq(i)``).
       window: this block's sliding window W (``cfg.layer_window(i)``; ``None``: global attention).
+      kv_view: attend over the first ``kv_view`` cache slots only (a static int; ``None``: all
+        ``S``). Every query's visible slots must lie inside it; then the result is the full
+        cache's, bit for bit (the slots beyond are masked, i.e. exact zeros in the fixed-order
+        sums of :func:`cache_attention`), at a cost that follows the view, not the buffer.
       tree_mask: ``None`` (causal attention, as above), or bool ``[B, T, T]`` for tree attention
         (SpecInfer, Miao et al. 2024, "tree-based parallel decoding"; EAGLE-2, Li et al. 2024):
         token j sees the committed prefix (slots < ``positions[:, 0]``) and the new tokens i with
@@ -125,7 +130,8 @@ def decoder_block(
     k = rope(k, positions, inv_freq)
     kc = write_kv(k_cache, k.transpose(0, 2, 1, 3), starts)
     vc = write_kv(v_cache, v.transpose(0, 2, 1, 3), starts)
-    a = cache_attention(q if p["w_qkv"].dtype == jnp.float32 else q.astype(jnp.bfloat16), kc, vc, positions, cfg,
+    ka, va = (kc, vc) if kv_view is None else (kc[:, :, :kv_view], vc[:, :, :kv_view])
+    a = cache_attention(q if p["w_qkv"].dtype == jnp.float32 else q.astype(jnp.bfloat16), ka, va, positions, cfg,
                         tree_mask=tree_mask, window=window)
     h = h + _post_norm(lin(a, "wo", "bo"), p, "attn_post_norm", cfg)
     x = rms_norm(h, p["mlp_norm"], cfg.rms_norm_eps)
@@ -156,6 +162,7 @@ def forward(
     tree_mask: Bool[Array, "batch seq seq"] | None = None,
     feature_layers: tuple[int, ...] = (),
     raw_features: bool = False,
+    kv_view: int | None = None,
 ) -> tuple[Float[Array, "batch seq hidden"], KVCache]:
     """Run the decoder blocks and final norm; write K/V of ``tokens`` into ``cache``.
 
@@ -178,7 +185,7 @@ def forward(
       ``feature_layers``: ``(features [B, T, len(feature_layers)·D], updated cache)``.
     """
     h, cache, feats = run_blocks(graphdef, params, tokens, positions, cache, cfg, tree_mask, feature_layers,
-                                 raw_features)
+                                 raw_features, kv_view)
     return (feats if feature_layers else h), cache
 
 
@@ -206,9 +213,10 @@ def check_feature_layers(feature_layers, cfg: ModelConfig) -> tuple[int, ...]:
     return out
 
 
-def run_blocks(graphdef, params, tokens, positions, cache, cfg, tree_mask=None, feature_layers=(), raw_features=False):
+def run_blocks(graphdef, params, tokens, positions, cache, cfg, tree_mask=None, feature_layers=(), raw_features=False,
+               kv_view=None):
     """The blocks and final norm: ``(final hidden [B, T, D], cache, fused features or None)`` (:func:`forward`;
-    ``raw_features``: the features unnormalized, :func:`target_features`)."""
+    ``raw_features``: the features unnormalized, :func:`target_features`; ``kv_view``: :func:`decoder_block`)."""
     model = nnx.merge(graphdef, params)
     inv_freq = {}  # per distinct RoPE (one, or a global and a local one)
     h = embed_tokens(model, tokens, cfg)
@@ -217,7 +225,7 @@ def run_blocks(graphdef, params, tokens, positions, cache, cfg, tree_mask=None, 
         freq = cfg.layer_inv_freq(i)
         inv = inv_freq.setdefault(freq.tobytes(), jnp.asarray(freq))
         h, kc, vc = decoder_block(module_arrays(layer), h, positions, cache.k[i], cache.v[i], cfg, inv_freq=inv,
-                                  tree_mask=tree_mask, window=cfg.layer_window(i))
+                                  tree_mask=tree_mask, window=cfg.layer_window(i), kv_view=kv_view)
         new_k.append(kc)
         new_v.append(vc)
         if i in feature_layers:
@@ -269,6 +277,7 @@ def apply(
     tree_mask: Bool[Array, "batch seq seq"] | None = None,
     feature_layers: tuple[int, ...] = (),
     raw_features: bool = False,
+    kv_view: int | None = None,
 ) -> Output:
     """Full model: ``Output(logits [B, T, V] float32, cache, hidden [B, T, D] or None)``; with
     ``return_hidden`` and ``feature_layers``, ``hidden`` is the fused feature
@@ -277,6 +286,6 @@ def apply(
     See :func:`forward` for the argument contract (``tree_mask``: tree attention).
     """
     h, cache, feats = run_blocks(graphdef, params, tokens, positions, cache, cfg, tree_mask,
-                           feature_layers if return_hidden else (), raw_features)
+                           feature_layers if return_hidden else (), raw_features, kv_view)
     logits = lm_head(graphdef, params, h, cfg)
     return Output(logits, cache, (feats if feature_layers else h) if return_hidden else None)

@@ -45,6 +45,21 @@ def decode_buffer_len(prompt_len: int, max_new_tokens: int, gamma: int, min_prom
                    BUFFER_BUCKET)
 
 
+KV_VIEW_MIN = 256  # the smallest attention view of the decode loop (cache slots; a multiple of ATTENTION_BLOCK)
+
+
+def kv_views(buffer_len: int, minimum: int | None = None) -> list[int]:
+    """The attention views below a buffer of ``buffer_len`` slots, ascending: ``minimum``
+    (default :data:`KV_VIEW_MIN`) doubled while it is at most half the buffer (``[]`` for a
+    buffer under twice the minimum; the buffer itself is the last view). See :meth:`Decoder.run`."""
+    v = KV_VIEW_MIN if minimum is None else int(minimum)
+    out = []
+    while 2 * v <= buffer_len:
+        out.append(v)
+        v *= 2
+    return out
+
+
 def prompt_bucket(n: int, minimum: int = PROMPT_BUCKET) -> int:
     """Padded prompt length for a prompt of ``n`` tokens: the next power of two, at least
     ``minimum`` (default ``PROMPT_BUCKET``). Each bucket compiles its own prefill and decode
@@ -396,12 +411,33 @@ class Decoder:
         return args
 
     def run(self, prog, st, round_limit):
-        """Run rounds until done or ``round_limit``; returns ``(state, compile_s, seconds)``."""
-        args = self._run_args(st, round_limit)
-        fn, c = self._get("run", prog, args)
-        t0 = time.perf_counter()
-        st = jax.block_until_ready(fn(*args))
-        return st, c, time.perf_counter() - t0
+        """Run rounds until done or ``round_limit``; returns ``(state, compile_s, seconds)``.
+
+        A buffer of at least ``2 · KV_VIEW_MIN`` slots runs through a ladder of attention views
+        (:func:`kv_views`): each stretch of rounds runs the program whose target attends over the
+        smallest view that holds the running rows' next round (``Program.kv_view``; the same
+        tokens, :func:`specjax.models.llama.decoder_block`), so a round costs what the live rows
+        need, not the whole buffer; one host read of the lengths per view (at most
+        log2(buffer / ``KV_VIEW_MIN``) + 1 programs per buffer bucket, each compiled when first needed)."""
+        views = kv_views(prog.buffer_len) if prog.kv_view is None else []
+        compile_s = seconds = 0.0
+        while True:
+            p = prog
+            if views:
+                hv = self._host(st)
+                lengths, done = np.asarray(hv.lengths), np.asarray(hv.done)
+                need = int(np.max(np.where(done, 1, lengths))) - 1 + prog.round_span
+                p = next((dataclasses.replace(prog, kv_view=v) for v in views if need <= v), prog)
+            args = self._run_args(st, round_limit)
+            fn, c = self._get("run", p, args)
+            t0 = time.perf_counter()
+            st = jax.block_until_ready(fn(*args))
+            compile_s, seconds = compile_s + c, seconds + time.perf_counter() - t0
+            if p is prog:
+                return st, compile_s, seconds
+            hv = self._host(st)
+            if bool(np.all(np.asarray(hv.done))) or int(hv.round) >= int(round_limit):
+                return st, compile_s, seconds
 
     def _host(self, st):
         if self.mesh is None:

@@ -37,8 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.core.sampling import Sampling, SamplingParams
-from specjax.runtime.decoder import SEED_LIMIT, Decoder, prompt_bucket, request_keys, round_up
-from specjax.runtime.loop import run_rounds_jit
+from specjax.runtime.decoder import SEED_LIMIT, Decoder, kv_views, prompt_bucket, request_keys
 from specjax.runtime.prefill import prefill_jit, prefill_program, size_for_gamma
 from specjax.runtime.results import RowStats, host_result
 
@@ -251,11 +250,13 @@ class Engine:
 
     # ---- the decode side (one thread)
     def warmup(self) -> float:
-        """Compile the smallest prompt bucket's prefill, the insertion and the chunk of rounds
-        (seconds). Other prompt buckets compile at their first request."""
+        """Compile the smallest prompt bucket's prefill, the insertion and the chunk of rounds at
+        every attention view (seconds). Other prompt buckets compile at their first request."""
         t0 = time.perf_counter()
         st = self._ensure_state()
-        st = self._run_chunk(st, 0)
+        args = self.decoder._run_args(st, 0)
+        for v in kv_views(self.prog.buffer_len) + [None]:  # every attention view's program
+            self.decoder._get("run", dataclasses.replace(self.prog, kv_view=v), args)
         self._state = jax.block_until_ready(st)
         return time.perf_counter() - t0
 
@@ -284,8 +285,10 @@ class Engine:
         return self._state
 
     def _run_chunk(self, st, rounds: int):
-        dparams = None if self.decoder.drafter is None else self.decoder.drafter.params
-        return run_rounds_jit(self.prog, self.decoder.target.params, dparams, st, st.round + jnp.int32(rounds))
+        """``rounds`` rounds over every slot (:meth:`Decoder.run`: its attention views follow the
+        longest running row, so short requests do not pay for the context the slots are sized to)."""
+        st, _, _ = self.decoder.run(self.prog, st, int(np.asarray(st.round)) + rounds)
+        return st
 
     def step(self) -> list[Update]:
         """Cancel, admit, run one chunk of rounds, report (see the module docstring)."""

@@ -170,6 +170,7 @@ class Program:
     cache_dtype: str = "float32"
     logprobs: int = -1  # top alternatives recorded per token; -1 = no log-probabilities
     tree: TreeShape | None = None
+    kv_view: int | None = None  # the target attends over the first kv_view cache slots (None: all); see run_rounds
 
     def __post_init__(self):
         require_drafter(self.drafter)
@@ -201,6 +202,13 @@ class Program:
     def block(self) -> int:
         """Tokens one round may commit: γ + 1 with a drafter (a tree: D + 1), else 1."""
         return self.gamma + 1 if self.drafter is not None else 1
+
+    @property
+    def round_span(self) -> int:
+        """Target cache slots a round's target call writes and reads beyond the committed tokens,
+        counting the last committed one: N + 1 with a tree, else :attr:`block`. A round of a row
+        of length ``n`` attends over slots ``< n - 1 + round_span``."""
+        return self.tree.nodes + 1 if self.tree is not None else self.block
 
 
 def tree_scratch(shape: TreeShape) -> int:
@@ -235,7 +243,7 @@ def _target_step(prog, tparams, st: DecodeState, inputs, with_hidden):
     pos = (st.lengths - 1)[:, None] + jnp.arange(t, dtype=jnp.int32)
     mask = verification_mask(b, t)
     out = llama.apply(prog.graphdef, tparams, inputs, pos, st.target_cache, prog.cfg, return_hidden=with_hidden,
-                      tree_mask=mask, **prog.feature_args)
+                      tree_mask=mask, kv_view=prog.kv_view, **prog.feature_args)
     sees = jnp.ones((b, 1, 0), bool) if mask is None else mask[:, :, 1:]
     z = penalized(st, out.logits, inputs[:, 1:], sees, jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)))
     return st.sampling.process(z), z, out.cache, out.hidden
@@ -512,7 +520,7 @@ def _tree_round(prog: Program, tparams, dparams, st: DecodeState) -> DecodeState
         inputs = jnp.concatenate([last, tree.tokens], axis=1)  # [B, N+1]
         mask = tree_ops.block_attention_mask(tree)  # [B, N+1, N+1]: a node sees its path
         out = llama.apply(prog.graphdef, tparams, inputs, tree_ops.positions(tree, st.lengths), st.target_cache,
-                          prog.cfg, return_hidden=True, tree_mask=mask, **prog.feature_args)
+                          prog.cfg, return_hidden=True, tree_mask=mask, kv_view=prog.kv_view, **prog.feature_args)
         depth = jnp.concatenate([zeros[:, None], tree.depth], axis=1)
         z = penalized(st, out.logits, jnp.where(tree.valid, tree.tokens, -1), mask[:, :, 1:], depth)
         p = st.sampling.process(z)  # [B, N+1, V]
@@ -545,12 +553,29 @@ def _tree_round(prog: Program, tparams, dparams, st: DecodeState) -> DecodeState
     return _finish_round(prog, st, cache, n, chunk, offered, rejected, dstate, hidden, lps)
 
 
+def view_fits(prog: Program, st: DecodeState):
+    """Whether the next round of every running row stays inside ``prog.kv_view`` (a bool scalar;
+    always true without a view)."""
+    if prog.kv_view is None:
+        return jnp.bool_(True)
+    return live_span(prog, st) <= prog.kv_view
+
+
+def live_span(prog: Program, st: DecodeState):
+    """The cache slots the next round needs: ``max(lengths of running rows) - 1 + round_span``
+    (an int32 scalar; done rows do not count)."""
+    return jnp.max(jnp.where(st.done, 1, st.lengths)) - 1 + prog.round_span
+
+
 def run_rounds(prog: Program, tparams, dparams, st: DecodeState, round_limit) -> DecodeState:
-    """``lax.while_loop`` of rounds until every row is done or ``round`` reaches ``round_limit``
-    (chain rounds :func:`_round`, or :func:`_tree_round` for a program with a tree)."""
+    """``lax.while_loop`` of rounds until every row is done, ``round`` reaches ``round_limit``, or
+    (a program with a ``kv_view``) the next round would attend beyond the view — then the caller
+    continues with a larger view (:meth:`specjax.runtime.decoder.Decoder.run`): the target's
+    attention costs what the live rows need, not the whole buffer, with the same tokens (chain
+    rounds :func:`_round`, or :func:`_tree_round` for a program with a tree)."""
     round_fn = _round if prog.tree is None else _tree_round
     return jax.lax.while_loop(
-        lambda s: jnp.any(~s.done) & (s.round < round_limit),
+        lambda s: jnp.any(~s.done) & (s.round < round_limit) & view_fits(prog, s),
         lambda s: round_fn(prog, tparams, dparams, s),
         st,
     )
