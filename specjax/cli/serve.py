@@ -84,11 +84,9 @@ def cmd_serve(args) -> int:
     if gamma == "auto":
         raise UsageError("--gamma auto measures on the run's prompts, which a server does not have; give --gamma N "
                          "(`specjax analyze` or `specjax generate --gamma auto` on typical prompts recommends one)")
+    if args.mesh:  # (resolve checked its syntax)
+        raise UsageError("--mesh: specjax serve runs on one device (the engine does not shard yet); drop --mesh")
     mesh = None
-    if args.mesh:
-        from specjax.runtime import sharding
-
-        mesh = sharding.MeshSpec.parse(args.mesh)
     _check_port_free(args.host, args.port)
     progress = None if os.environ.get("SPECJAX_NO_PROGRESS") else Progress()
     t0 = time.perf_counter()
@@ -146,6 +144,11 @@ def build_engine(target, drafter, gamma, tree, mesh, progress, args):
     kw = {} if tree is None or drafter is None else dict(tree_nodes=tree.nodes, tree_depth=tree.depth,
                                                           tree_topk=tree.topk)
     dec = Decoder(target, drafter, gamma if drafter is not None else 1, mesh=mesh, progress=progress, **kw)
+    lim = dec.context_limit()
+    if args.max_context is not None and args.max_context > lim:
+        both = " and its drafter" if lim < target.config.max_position_embeddings else ""
+        raise UsageError(f"--max-context {args.max_context} is more than the {lim} tokens the context of {target.name}"
+                         f"{both} holds; use --max-context {lim} or less")
     engine = Engine(dec, slots=args.max_batch, max_context=args.max_context, rounds_per_chunk=args.rounds_per_chunk,
                     max_logprobs=MAX_LOGPROBS, spec_max_running=args.spec_max_running)
     if not args.warmup:
