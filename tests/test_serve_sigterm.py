@@ -13,6 +13,7 @@ import threading
 import time
 
 import httpx
+import jax
 import pytest
 
 import serve_helpers as H
@@ -31,7 +32,8 @@ def model_dir(tmp_path_factory):
 
 def _start(model_dir, port, *extra):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               SPECJAX_CACHE=os.path.join(ROOT, ".jax_cache"), SPECJAX_NO_PROGRESS="1")
+               SPECJAX_NO_PROGRESS="1",
+               SPECJAX_CACHE=jax.config.jax_compilation_cache_dir)  # the test session's compilation cache (conftest)
     env.pop("SPECJAX_DEBUG", None)
     cmd = [sys.executable, "-m", "specjax.cli", "serve", "--model", model_dir, "--draft", "ngram", "--gamma", "3",
            "--port", str(port), "--max-batch", "2", "--max-context", "512", "--max-new-tokens", "16",
