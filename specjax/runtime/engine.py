@@ -179,6 +179,8 @@ class Engine:
         self.max_logprobs = max_logprobs
         self.context_limit = ctx if max_context is None else int(max_context)
         self.prog = decoder.slot_program(self.context_limit, max_logprobs)
+        if spec_max_running is not None and decoder.drafter is not None:  # a round of non-speculating rows: one token
+            self.prog = dataclasses.replace(self.prog, switchable=True)
         self._sprog = prefill_program(self.prog)
         self._eos = [int(e) for e in cfg.eos_token_ids]
         self._lock = threading.Lock()
