@@ -427,3 +427,13 @@ def test_a_new_sampling_field_is_a_request_field(monkeypatch):
     with pytest.raises(P.RequestError, match=r"foo_weight must be a number in \[0, 3\]") as e:
         P.parse_completion({**OK_C, "foo_weight": 4}, tok, d)
     assert e.value.param == "foo_weight" and e.value.status == 400
+
+
+def test_logit_bias_and_penalties_reach_the_engine(client, pair):
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, logit_bias={"50": 100})
+    assert r.choices[0].text == "w50 w50 w50"
+    plain = pair.offline(pair.tok.encode(PROMPT), 8).tokens[0]
+    for fields in ({"frequency_penalty": -2.0, "presence_penalty": -2.0}, {"repetition_penalty": 0.1}):
+        r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, extra_body=fields)
+        ref = pair.offline(pair.tok.encode(PROMPT), 8, Sampling(**fields)).tokens[0]
+        assert r.choices[0].text == pair.tok.decode(ref) and ref != plain, fields  # (these penalties change it)
