@@ -88,7 +88,8 @@ def test_chat_stream_equals_whole_and_offline(client, pair):
     assert len(finals) == 1 and finals[0].choices[0].finish_reason == whole.choices[0].finish_reason
     assert finals[0].model_extra["specjax"]["target_calls"] == whole.model_extra["specjax"]["target_calls"]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
-    assert len(chunks) >= 4  # role chunk, at least two text chunks (one per engine update), the final chunk
+    assert chunks[0].choices[0].delta.role == "assistant"  # the role chunk, text chunks, the final chunk, usage
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) >= 1
 
 
 def test_seed_reproducible_and_equal_to_offline(client, pair):
