@@ -360,12 +360,16 @@ def test_engine_fault_is_a_500_and_the_server_goes_on(server):
             assert r.status_code == 500
             err = r.json()["error"]
             assert err["type"] == "server_error" and "injected fault" in err["message"]
+            calls.clear()  # the next step fails again: now under a stream, which ends with an error event
+            with h.stream("POST", CHAT, json={**OK_M, "max_tokens": 4, "stream": True}) as resp:
+                lines = [x for x in resp.iter_lines() if x.startswith("data: ")]
+            assert "injected fault" in json.loads(lines[-2][6:])["error"]["message"] and lines[-1] == "data: [DONE]"
             ok = h.post(COMP, json={**OK_C, "max_tokens": 4})
             assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
             assert h.get("/health").status_code == 200
     finally:
         engine.step = own_step
-    assert server.app.state.serve.worker.faults == 1
+    assert server.app.state.serve.worker.faults == 2
 
 
 def test_harmless_fields_are_accepted(server):
