@@ -1,9 +1,10 @@
 """Continuous batching under load (issue 31's targets, the engine without HTTP): total tokens/s,
 time to first token and inter-update latency at 1, 8 (and more) concurrent requests, speculation
-on (the default pair: SmolLM2-135M-Instruct + its shipped drafter, γ 2) vs off (the target alone),
-side by side in one run.
+on (the default pair: SmolLM2-135M-Instruct + its shipped drafter, γ 2), off (the target alone) and
+auto (speculation while at most ``--spec-max-running`` requests run), side by side in one run.
 
     python benchmarks/engine_load.py [--concurrency 1 8] [--requests-per-slot 2] [--new 64] [--dtype float32]
+        [--max-context 1024] [--spec-max-running 1]
 
 Requests are Spec-Bench questions (../shared/data/spec_bench/question.jsonl, chat template), greedy,
 all submitted at once (so every slot stays busy while requests remain); the engine runs
@@ -67,6 +68,7 @@ def main():
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--max-context", type=int, default=1024)
     ap.add_argument("--rounds-per-chunk", type=int, default=4)
+    ap.add_argument("--spec-max-running", type=int, default=1)
     args = ap.parse_args()
     enable_compilation_cache()
     target = load_model(dtype=args.dtype)
@@ -74,9 +76,12 @@ def main():
     print(json.dumps({"host": host_fingerprint()}))
     for c in args.concurrency:
         prompts = _prompts(target, c * args.requests_per_slot)
-        for method, dec in (("off", Decoder(target)), ("spec γ2", Decoder(target, drafter, gamma=2))):
+        methods = (("off", Decoder(target), None), ("spec γ2", Decoder(target, drafter, gamma=2), None),
+                   (f"auto γ2 (spec while ≤ {args.spec_max_running} running)", Decoder(target, drafter, gamma=2),
+                    args.spec_max_running))
+        for method, dec, limit in methods:
             eng = Engine(dec, slots=c, max_context=args.max_context, rounds_per_chunk=args.rounds_per_chunk,
-                         max_logprobs=None)
+                         max_logprobs=None, spec_max_running=limit)
             warm = eng.warmup()
             _run(eng, prompts[: max(c, 2)], 4)  # compile every prompt bucket the run meets
             _run(eng, prompts, 4)

@@ -164,7 +164,9 @@ def test_speculative_false_decodes_without_the_drafter(client, pair):
 
 
 def test_metrics_parse(server, client):
-    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5)
+    # 40 tokens: more than one engine step's worth (4 rounds of up to γ + 1 tokens), so the request has
+    # an inter-token latency sample (one update carries every token of a shorter request)
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, extra_body={"ignore_eos": True})
     httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 0})
     fams = {f.name: f for f in text_string_to_metric_families(httpx.get(server.url + "/metrics").text)}
     req = {(s.labels["path"], s.labels["status"]): s.value for s in fams["specjax_requests"].samples

@@ -146,9 +146,13 @@ class Engine:
     many for every row and each request gets its own count); ``None``: log-probabilities off.
     ``spec_max_running``: speculation under load — while more than this many requests run, rows
     whose tokens do not depend on it stop speculating (greedy rows: the same tokens either way;
-    sampled rows without a ``seed``: the same distribution), so a full batch decodes as plain
-    autoregressive rounds once every row qualifies; a sampled request with a ``seed`` keeps its
-    method (its tokens are ``generate --seed``'s). ``None``: always speculate.
+    sampled rows without a ``seed``: the same distribution); a sampled request with a ``seed`` keeps
+    its method (its tokens are ``generate --seed``'s). A round in which no row is offered a draft is
+    a plain one-token target call for a drafter that may propose nothing (n-gram); a drafter that
+    always proposes still runs its γ + 1-token verification (with no draft allowed), so there the
+    switch changes what is accepted, not the cost (measured: BENCHMARKS.md "Issue 31"; a one-token
+    call under ``lax.cond`` in those programs was slower at every occupancy on XLA CPU).
+    ``None`` (default): always speculate.
 
     Thread safety: :meth:`submit` and :meth:`cancel` may be called from any thread; :meth:`step`
     from one thread only.
@@ -179,8 +183,6 @@ class Engine:
         self.max_logprobs = max_logprobs
         self.context_limit = ctx if max_context is None else int(max_context)
         self.prog = decoder.slot_program(self.context_limit, max_logprobs)
-        if spec_max_running is not None and decoder.drafter is not None:  # a round of non-speculating rows: one token
-            self.prog = dataclasses.replace(self.prog, switchable=True)
         self._sprog = prefill_program(self.prog)
         self._eos = [int(e) for e in cfg.eos_token_ids]
         self._lock = threading.Lock()
@@ -251,14 +253,19 @@ class Engine:
         return int(req.seed)
 
     # ---- the decode side (one thread)
-    def warmup(self) -> float:
-        """Compile the smallest prompt bucket's prefill, the insertion and the chunk of rounds at
-        every attention view (seconds). Other prompt buckets compile at their first request."""
+    def warmup(self, prompt_tokens: int = 512) -> float:
+        """Compile (and run once, on a dummy prompt) the prefill of every prompt bucket up to
+        ``prompt_tokens`` (capped to the context), the insertion and the chunk of rounds at every
+        attention view; returns the seconds. Longer prompt buckets compile at their first request."""
         t0 = time.perf_counter()
         st = self._ensure_state()
         args = self.decoder._run_args(st, 0)
         for v in kv_views(self.prog.buffer_len) + [None]:  # every attention view's program
             self.decoder._get("run", dataclasses.replace(self.prog, kv_view=v), args)
+        p = self.decoder.prompt_bucket
+        while p <= min(int(prompt_tokens), self.context_limit - 1):
+            self._row_state([0] * p, 1, 0, Sampling(), (), True)
+            p *= 2
         self._state = jax.block_until_ready(st)
         return time.perf_counter() - t0
 

@@ -171,9 +171,6 @@ class Program:
     logprobs: int = -1  # top alternatives recorded per token; -1 = no log-probabilities
     tree: TreeShape | None = None
     kv_view: int | None = None  # the target attends over the first kv_view cache slots (None: all); see run_rounds
-    # rows may stop speculating (DecodeState.speculate, the engine's policy under load): the loop keeps a plain
-    # one-token target call for rounds in which no row is offered a draft, also for drafters that always propose
-    switchable: bool = False
 
     def __post_init__(self):
         require_drafter(self.drafter)
@@ -387,7 +384,7 @@ def _round(prog: Program, tparams, dparams, st: DecodeState) -> DecodeState:
             cache, n, chunk, _, dstate, hid, lps = plain(st, dstate)
             return cache, n, chunk, jnp.zeros_like(allowed), dstate, hid, lps
 
-        if prog.drafter.always_proposes and not prog.switchable:
+        if prog.drafter.always_proposes:
             # one target program in the loop (compile time); a round with nothing allowed
             # verifies with num_allowed = 0, i.e. samples from p_1 like a plain step
             cache, n, chunk, allowed, dstate, hidden, lps = spec(st, prop.state)
@@ -548,7 +545,7 @@ def _tree_round(prog: Program, tparams, dparams, st: DecodeState) -> DecodeState
         chunk = _chunk_of(jnp.zeros((b, width - 1), jnp.int32), zeros, nxt)
         return cache, zeros, chunk, zeros, no, dstate, hidden, logprobs_of(p, logits, chunk)
 
-    if prog.drafter.always_proposes and not prog.switchable:
+    if prog.drafter.always_proposes:
         cache, n, chunk, offered, rejected, dstate, hidden, lps = spec(st, prop.state)
     else:
         cache, n, chunk, offered, rejected, dstate, hidden, lps = jax.lax.cond(

@@ -23,10 +23,11 @@ from typing import Any
 from specjax.core import sampling as sampling_mod
 from specjax.core.sampling import Sampling  # (annotations and the default; code reads sampling_mod.Sampling: the declaration)
 from specjax.core.settings import SettingError, is_int, knobs, of_kind
+from specjax.runtime.decoder import SEED_LIMIT  # seeds are integers in [0, 2**64)
+from specjax.runtime.engine import ENGINE_STOP_IDS
 
-SEED_LIMIT = 2 ** 64  # seeds are integers in [0, 2**64) (specjax.runtime.decoder.SEED_LIMIT)
 MAX_STOP = 16  # stop strings per request
-MAX_STOP_TOKEN_IDS = 64
+MAX_STOP_TOKEN_IDS = ENGINE_STOP_IDS  # at most (the engine also holds the model's EOS ids in these slots)
 
 # Fields the official client may send that change nothing here (accepted, ignored).
 HARMLESS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream_options", "n")
