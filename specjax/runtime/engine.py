@@ -8,9 +8,11 @@ rounds — nothing recompiles per request. A free slot is a row that is ``done``
 change). Each :meth:`Engine.step`:
 
 1. ends cancelled requests (their slot is marked done and is free at once);
-2. admits queued requests into free slots: each is prefilled alone (batch 1, its prompt bucket)
-   and its row is written into the slot (:func:`insert_row`), with ``first_round`` = the
-   batch's round so its draws are ``fold_in(key, j)`` for its own j-th round;
+2. admits queued requests into free slots, about one prefill chunk (:data:`ADMIT_TOKENS`) of
+   prompt per step: each is prefilled alone (batch 1, its prompt bucket; a prompt longer than a
+   chunk one chunk per step, :func:`~specjax.runtime.prefill.prompt_chunk`, so running rows wait
+   at most one chunk) and its row is written into the slot (:func:`insert_row`), with
+   ``first_round`` = the batch's round so its draws are ``fold_in(key, j)`` for its own j-th round;
 3. runs ``rounds_per_chunk`` rounds over all slots (:func:`~specjax.runtime.loop.run_rounds`);
 4. reads the newly committed tokens (and log-probabilities) of the running rows and returns
    them as :class:`Update` s; a finished row's final update carries its
@@ -38,11 +40,12 @@ import numpy as np
 
 from specjax.core.sampling import Sampling, SamplingParams
 from specjax.runtime.decoder import SEED_LIMIT, Decoder, kv_views, prompt_bucket, request_keys
-from specjax.runtime.prefill import prefill_jit, prefill_program, size_for_gamma
+from specjax.models.llama import KVCache
+from specjax.runtime.prefill import PREFILL_CHUNK, prefill_jit, prefill_program, prompt_chunk_jit, size_for_gamma
 from specjax.runtime.results import RowStats, host_result
 
 ENGINE_STOP_IDS = 16  # stop-id slots per row (the model's EOS ids + a request's stop token ids)
-ADMIT_TOKENS = 512  # prompt tokens prefilled per step beyond the first admitted request (bounds the stall)
+ADMIT_TOKENS = PREFILL_CHUNK  # prompt tokens prefilled per step (a longer prompt: one chunk per step; bounds the stall)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +101,20 @@ class _Running:
     seed: int
     plen: int
     reported: int  # committed length already returned
+
+
+@dataclasses.dataclass
+class _Admitting:
+    """A request whose prompt (longer than one prefill chunk) is prefilled one chunk per step
+    into its own one-row cache before it joins its reserved slot."""
+    rid: int
+    req: EngineRequest
+    seed: int
+    slot: int
+    prompt: jax.Array  # [1, P] padded prompt
+    cache: KVCache
+    hidden: jax.Array  # [1, P, F]
+    done_chunks: int = 0
 
 
 def insert_row(state, row, slot, speculate):
@@ -190,6 +207,7 @@ class Engine:
         self._cancel: set[int] = set()
         self._next_id = 0
         self._slots: dict[int, _Running] = {}
+        self._admitting: _Admitting | None = None
         self._state = None
         self._speculating = None  # the running rows' switches last set by _policy
 
@@ -219,7 +237,7 @@ class Engine:
 
     @property
     def idle(self) -> bool:
-        return not self._queue and not self._slots and not self._cancel
+        return not self._queue and not self._slots and not self._cancel and self._admitting is None
 
     def _check(self, req: EngineRequest) -> int:
         if not isinstance(req, EngineRequest):
@@ -269,7 +287,7 @@ class Engine:
         self._state = jax.block_until_ready(st)
         return time.perf_counter() - t0
 
-    def _row_state(self, prompt, max_new, seed, sampling, stops, ignore_eos):
+    def _row_state(self, prompt, max_new, seed, sampling, stops, ignore_eos, forward=None):
         dec = self.decoder
         p = len(prompt)
         arr = np.zeros((1, prompt_bucket(p, dec.prompt_bucket)), np.int32)
@@ -282,7 +300,7 @@ class Engine:
         put = jax.device_put
         args = (dec.target.params, dparams, put(arr), put(np.array([p], np.int32)), put(np.array([mn], np.int32)),
                 put(eos), request_keys(seed, 1), SamplingParams.from_rows([sampling]))
-        st = prefill_jit(self._sprog, *args)
+        st = prefill_jit(self._sprog, *args, forward=forward)
         return st if self._sprog is self.prog else size_for_gamma(st, self.prog)
 
     def _ensure_state(self):
@@ -308,6 +326,10 @@ class Engine:
             for q in queued:
                 self._queue.remove(q)
         updates = [Update(rid, [], None, "cancelled", None, seed) for rid, _, seed in queued]
+        a = self._admitting
+        if a is not None and a.rid in cancels:  # cancelled while its prompt was being prefilled
+            updates.append(Update(a.rid, [], None, "cancelled", None, a.seed))
+            self._admitting = None
         ending = [s for s, r in self._slots.items() if r.rid in cancels]
         if ending:
             mask = np.zeros(self.slots, bool)
@@ -322,22 +344,62 @@ class Engine:
         return updates
 
     def _admit(self, st):
-        free = [s for s in range(self.slots) if s not in self._slots]
+        """Admit queued requests into free slots, about :data:`ADMIT_TOKENS` prompt tokens per
+        step: short prompts are prefilled at once (several per step), a prompt longer than one
+        prefill chunk one chunk per step (:meth:`_advance`), so a long admission never stalls the
+        running rows for more than a chunk."""
         budget = ADMIT_TOKENS
-        while free:
+        if self._admitting is not None:
+            st, budget = self._advance(st), 0
+        while budget > 0:
+            free = [s for s in range(self.slots) if s not in self._slots]
             with self._lock:
-                if not self._queue or (budget < len(self._queue[0][1].prompt) and budget < ADMIT_TOKENS):
+                if not free or not self._queue:
+                    break
+                n = len(self._queue[0][1].prompt)
+                if budget < ADMIT_TOKENS and (n > budget or n > PREFILL_CHUNK):  # the next step takes it
                     break
                 rid, req, seed = self._queue.popleft()
+            slot = free[0]
+            if len(req.prompt) > PREFILL_CHUNK:
+                self._admitting = self._start_admission(rid, req, seed, slot)
+                return self._advance(st)
             budget -= len(req.prompt)
-            slot = free.pop(0)
             row = self._row_state(list(req.prompt), req.max_new_tokens, seed, req.sampling, req.stop_token_ids,
                                   req.ignore_eos)
-            st = _insert_jit(st, row, jnp.int32(slot), jnp.bool_(req.speculative))
-            self._slots[slot] = _Running(rid, req, seed, len(req.prompt), len(req.prompt))
-            if self._speculating is not None:  # what insert_row set
-                self._speculating[slot] = bool(req.speculative)
+            st = self._insert(st, row, slot, rid, req, seed)
         return st
+
+    def _insert(self, st, row, slot, rid, req, seed):
+        st = _insert_jit(st, row, jnp.int32(slot), jnp.bool_(req.speculative))
+        self._slots[slot] = _Running(rid, req, seed, len(req.prompt), len(req.prompt))
+        if self._speculating is not None:  # what insert_row set
+            self._speculating[slot] = bool(req.speculative)
+        return st
+
+    def _start_admission(self, rid, req, seed, slot) -> _Admitting:
+        p = prompt_bucket(len(req.prompt), self.decoder.prompt_bucket)  # a multiple of PREFILL_CHUNK here
+        arr = np.zeros((1, p), np.int32)
+        arr[0, : len(req.prompt)] = list(req.prompt)
+        cfg = self.decoder.target.config
+        cache = KVCache.create(cfg, 1, self.prog.buffer_len, jnp.dtype(self.prog.cache_dtype))
+        hidden = jnp.zeros((1, p, self._sprog.feature_size), jnp.float32)
+        return _Admitting(rid, req, seed, slot, jax.device_put(arr), cache, hidden)
+
+    def _advance(self, st):
+        """One prefill chunk of the request being admitted; after its last chunk, the rest of its
+        prefill (:func:`~specjax.runtime.prefill.prefill` with ``forward=``) and its insertion."""
+        a = self._admitting
+        tparams = self.decoder.target.params
+        a.cache, a.hidden = prompt_chunk_jit(self._sprog, tparams, a.prompt, a.cache, a.hidden,
+                                             jnp.int32(a.done_chunks))
+        a.done_chunks += 1
+        if a.done_chunks * PREFILL_CHUNK < a.prompt.shape[1]:
+            return st
+        self._admitting = None
+        row = self._row_state(list(a.req.prompt), a.req.max_new_tokens, a.seed, a.req.sampling,
+                              a.req.stop_token_ids, a.req.ignore_eos, forward=(a.hidden, a.cache))
+        return self._insert(st, row, a.slot, a.rid, a.req, a.seed)
 
     def _policy(self, st):
         """Set each running row's speculation switch (``spec_max_running``); one small device

@@ -35,17 +35,34 @@ def prompt_forward(prog: Program, tparams, prompt, cache):
         return llama.forward(prog.graphdef, tparams, prompt, pos, cache, prog.cfg, **prog.feature_args)
 
     def chunk(cache, i):
-        toks = jax.lax.dynamic_slice_in_dim(prompt, i * c, c, axis=1)
-        pos = jnp.broadcast_to(i * c + jnp.arange(c, dtype=jnp.int32), (u, c))
-        h, cache = llama.forward(prog.graphdef, tparams, toks, pos, cache, prog.cfg, **prog.feature_args)
+        h, cache = _chunk_forward(prog, tparams, prompt, cache, i)
         return cache, h
 
     cache, hs = jax.lax.scan(chunk, cache, jnp.arange(p // c, dtype=jnp.int32))  # hs [P/c, U, c, ·]
     return hs.transpose(1, 0, 2, 3).reshape(u, p, hs.shape[-1]), cache
 
 
+def _chunk_forward(prog: Program, tparams, prompt, cache, i):
+    """The target over chunk ``i`` (:data:`PREFILL_CHUNK` tokens) of ``prompt [U, P]``: ``(hidden or
+    features [U, c, ·], cache with the chunk's K/V)``."""
+    u, c = prompt.shape[0], PREFILL_CHUNK
+    toks = jax.lax.dynamic_slice_in_dim(prompt, i * c, c, axis=1)
+    pos = jnp.broadcast_to(i * c + jnp.arange(c, dtype=jnp.int32), (u, c))
+    return llama.forward(prog.graphdef, tparams, toks, pos, cache, prog.cfg, **prog.feature_args)
+
+
+def prompt_chunk(prog: Program, tparams, prompt, cache, hidden, i):
+    """One chunk of :func:`prompt_forward`'s scan, as its own call (the engine interleaves a long
+    prompt's prefill with decode steps, :mod:`specjax.runtime.engine`): chunk ``i`` of ``prompt [U, P]``
+    (P a multiple of :data:`PREFILL_CHUNK`) into ``cache``, its hidden states written into
+    ``hidden [U, P, ·]``. Returns ``(cache, hidden)``; after the last chunk they are what
+    :func:`prompt_forward` returns (``forward=`` of :func:`prefill`)."""
+    h, cache = _chunk_forward(prog, tparams, prompt, cache, i)
+    return cache, jax.lax.dynamic_update_slice_in_dim(hidden, h.astype(hidden.dtype), i * PREFILL_CHUNK, axis=1)
+
+
 def prefill(prog: Program, tparams, dparams, prompt, prompt_lengths, max_new, eos, keys, sampling,
-            shared=None) -> DecodeState:
+            shared=None, forward=None) -> DecodeState:
     """Prefill: write the prompt into the buffer, fill target (and drafter) caches.
 
     ``prompt [B, P]`` int32, one row per request; or, with ``shared = (source [B], first [U])``
@@ -54,7 +71,8 @@ def prefill(prog: Program, tparams, dparams, prompt, prompt_lengths, max_new, eo
     prefill then runs once per distinct prompt and its caches are copied to the rows that share it
     (n samples of one prompt cost one prefill: :func:`specjax.runtime.decoder.shared_prompts`). The
     prefill draws nothing (the first new token is sampled by the first round), so sharing changes no
-    row's randomness."""
+    row's randomness. ``forward``: ``(hidden, cache)`` of the prompt computed already (by
+    :func:`prompt_chunk` calls; no ``shared``), instead of :func:`prompt_forward` here."""
     b = prompt_lengths.shape[0]
     uprompt = prompt
     if shared is not None:
@@ -63,9 +81,12 @@ def prefill(prog: Program, tparams, dparams, prompt, prompt_lengths, max_new, eo
     p = prompt.shape[1]
     tokens = jnp.zeros((b, prog.buffer_len), jnp.int32).at[:, :p].set(prompt)
     u = uprompt.shape[0]
-    cache = llama.KVCache.create(prog.cfg, u, prog.buffer_len, jnp.dtype(prog.cache_dtype))
-    # K/V of every prompt slot (slots ≥ length-1 hold stale values that later writes replace)
-    h, cache = prompt_forward(prog, tparams, uprompt, cache)
+    if forward is None:
+        cache = llama.KVCache.create(prog.cfg, u, prog.buffer_len, jnp.dtype(prog.cache_dtype))
+        # K/V of every prompt slot (slots ≥ length-1 hold stale values that later writes replace)
+        h, cache = prompt_forward(prog, tparams, uprompt, cache)
+    else:
+        h, cache = forward
     vocab = prog.cfg.vocab_size
     in_prompt = jnp.arange(p)[None, :] < prompt_lengths[:, None]
     seen = jnp.zeros((b, vocab), bool).at[jnp.arange(b)[:, None], jnp.where(in_prompt, prompt, vocab)].set(
@@ -130,3 +151,4 @@ def size_for_gamma(st: DecodeState, prog: Program) -> DecodeState:
 
 
 prefill_jit = jax.jit(prefill, static_argnums=0)
+prompt_chunk_jit = jax.jit(prompt_chunk, static_argnums=0, donate_argnums=(3, 4))
