@@ -68,7 +68,7 @@ def main():
         engine_mod.PREFILL_CHUNK = limit
         eng = Engine(Decoder(target), slots=4, max_context=2304, max_logprobs=None)
         eng.warmup()
-        _run(eng, short, long_prompt, 16)  # compile the long prompt's programs
+        _run(eng, short, long_prompt, 64)  # compile the long prompt's programs (it arrives after 8 updates)
         res = _run(eng, short, long_prompt, args.new)
         print(json.dumps(dict(mode=mode, prompt_tokens=args.prompt_tokens, dtype=args.dtype, **res)), flush=True)
     engine_mod.PREFILL_CHUNK = chunk
