@@ -39,8 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.core.sampling import Sampling, SamplingParams
-from specjax.runtime.decoder import SEED_LIMIT, Decoder, kv_views, prompt_bucket, request_keys
 from specjax.models.llama import KVCache
+from specjax.runtime.decoder import SEED_LIMIT, Decoder, kv_views, prompt_bucket, request_keys
 from specjax.runtime.prefill import PREFILL_CHUNK, prefill_jit, prefill_program, prompt_chunk_jit, size_for_gamma
 from specjax.runtime.results import RowStats, host_result
 
