@@ -1,15 +1,19 @@
 """Continuous batching under load (issue 31's targets, the engine without HTTP): total tokens/s,
-time to first token and inter-update latency at 1, 8 (and more) concurrent requests, speculation
-on (the default pair: SmolLM2-135M-Instruct + its shipped drafter, γ 2), off (the target alone) and
-auto (speculation while at most ``--spec-max-running`` requests run), side by side in one run.
+time to first token and inter-update latency at 1, 8 and 32 concurrent clients, with the default
+pair's three ways of serving side by side in one run: off (the target alone), always (speculate every
+round: the default pair, SmolLM2-135M-Instruct + its shipped drafter, γ 2) and auto (the engine's
+measured choice between speculative and plain chunks, ``specjax serve``'s default).
 
-    python benchmarks/engine_load.py [--concurrency 1 8] [--requests-per-slot 2] [--new 64] [--dtype float32]
-        [--max-context 1024] [--spec-max-running 1]
+    python benchmarks/engine_load.py [--concurrency 1 8 32] [--slots 8] [--requests-per-client 2] [--new 64]
+        [--dtype float32] [--max-context 1024]
 
-Requests are Spec-Bench questions (../shared/data/spec_bench/question.jsonl, chat template), greedy,
-all submitted at once (so every slot stays busy while requests remain); the engine runs
-``--slots`` = the concurrency. Every program is compiled (and every prompt bucket prefilled once)
-before the timed run. Prints one JSON line per (concurrency, method) and the host's CPU flags.
+Clients are closed loops: each keeps one request in flight and submits its next when the last one
+finishes, so at most ``concurrency`` requests are in the engine (the rest of a client's requests wait
+on the client, not in the queue). Requests are Spec-Bench questions
+(../shared/data/spec_bench/question.jsonl, chat template), greedy. ``--slots``: the engine's slots
+(``serve --max-batch``; default: the concurrency). Every program is compiled (and every prompt bucket
+prefilled once) before the timed run. Prints one JSON line per (concurrency, method) and the host's
+CPU flags.
 """
 
 from __future__ import annotations
@@ -36,12 +40,21 @@ def _prompts(target, n):
     return encode_prompts(target, texts, chat=True)
 
 
-def _run(engine, prompts, new):
+def _run(engine, prompts, new, clients=None):
+    """Serve ``prompts`` through ``clients`` closed-loop clients (default: all at once)."""
+    clients = len(prompts) if clients is None else clients
     t0 = time.perf_counter()
     first, last, gaps, total = {}, {}, [], 0
-    ids = {engine.submit(EngineRequest(p, max_new_tokens=new, seed=0)): i for i, p in enumerate(prompts)}
-    start = {i: t0 for i in ids.values()}
-    while not engine.idle:
+    ids, start, pending = {}, {}, list(enumerate(prompts))
+
+    def submit():
+        i, p = pending.pop(0)
+        ids[engine.submit(EngineRequest(p, max_new_tokens=new, seed=0))] = i
+        start[i] = time.perf_counter()
+
+    for _ in range(min(clients, len(pending))):
+        submit()
+    while not engine.idle or pending:
         for u in engine.step():
             now = time.perf_counter()
             i = ids[u.request_id]
@@ -52,6 +65,8 @@ def _run(engine, prompts, new):
                 else:
                     gaps.append((now - last[i]) / len(u.tokens))
                 last[i] = now
+            if u.finish_reason and pending:
+                submit()
     wall = time.perf_counter() - t0
     q = lambda xs, p: sorted(xs)[min(len(xs) - 1, int(p * len(xs)))] if xs else None  # noqa: E731
     return dict(tokens=total, seconds=round(wall, 2), tokens_per_s=round(total / wall, 1),
@@ -62,32 +77,33 @@ def _run(engine, prompts, new):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--requests-per-slot", type=int, default=2)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--slots", type=int, default=None, help="engine slots (default: the concurrency)")
+    ap.add_argument("--requests-per-client", type=int, default=2)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--max-context", type=int, default=1024)
     ap.add_argument("--rounds-per-chunk", type=int, default=4)
-    ap.add_argument("--spec-max-running", type=int, default=1)
+    ap.add_argument("--methods", nargs="+", default=["off", "always", "auto"])
     args = ap.parse_args()
     enable_compilation_cache()
     target = load_model(dtype=args.dtype)
     drafter = load_drafter("default", target, args.dtype)
     print(json.dumps({"host": host_fingerprint()}))
     for c in args.concurrency:
-        prompts = _prompts(target, c * args.requests_per_slot)
-        methods = (("off", Decoder(target), None), ("spec γ2", Decoder(target, drafter, gamma=2), None),
-                   (f"auto γ2 (spec while ≤ {args.spec_max_running} running)", Decoder(target, drafter, gamma=2),
-                    args.spec_max_running))
-        for method, dec, limit in methods:
-            eng = Engine(dec, slots=c, max_context=args.max_context, rounds_per_chunk=args.rounds_per_chunk,
-                         max_logprobs=None, spec_max_running=limit)
+        slots = args.slots or c
+        prompts = _prompts(target, c * args.requests_per_client)
+        for method in args.methods:
+            dec = Decoder(target) if method == "off" else Decoder(target, drafter, gamma=2)
+            eng = Engine(dec, slots=slots, max_context=args.max_context, rounds_per_chunk=args.rounds_per_chunk,
+                         max_logprobs=None, speculation="auto" if method == "auto" else "always")
             warm = eng.warmup()
-            _run(eng, prompts[: max(c, 2)], 4)  # compile every prompt bucket the run meets
+            _run(eng, prompts[: max(slots, 2)], 4)  # compile every prompt bucket the run meets
             _run(eng, prompts, 4)
-            res = _run(eng, prompts, args.new)
-            print(json.dumps(dict(concurrency=c, method=method, requests=len(prompts), new=args.new,
-                                  dtype=args.dtype, warmup_s=round(warm, 1), **res)), flush=True)
+            res = _run(eng, prompts, args.new, clients=c)
+            extra = {} if eng._auto is None else {"auto_rates": {str(k): v for k, v in eng._auto.summary().items()}}
+            print(json.dumps(dict(concurrency=c, slots=slots, method=method, requests=len(prompts), new=args.new,
+                                  dtype=args.dtype, warmup_s=round(warm, 1), **res, **extra), default=str), flush=True)
 
 
 if __name__ == "__main__":

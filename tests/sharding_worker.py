@@ -104,6 +104,39 @@ def param_specs(params):
     return pure
 
 
+def engine_cases(target, drafter, prompts, mesh):
+    """4 requests (greedy: prompts 0 and 1, as ``compare`` reads them; seeded sampled at T = 1) through an Engine of 2 slots on ``mesh``
+    (admitted as slots free up), against each request decoded alone on one device with
+    ``request_keys(seed, 1)``; and slots that are not a multiple of ``data`` refused."""
+    from specjax.core.sampling import Sampling
+    from specjax.runtime.engine import Engine, EngineRequest
+
+    reqs = [EngineRequest(prompts[i], max_new_tokens=MAX_NEW, seed=20 + i,
+                          sampling=Sampling(temperature=1.0) if i >= 2 else Sampling()) for i in range(4)]
+    eng = Engine(decode.Decoder(target, drafter, GAMMA, mesh=mesh), slots=2, max_context=96, max_logprobs=None)
+    ids = {eng.submit(r): i for i, r in enumerate(reqs)}
+    got = [[] for _ in reqs]
+    for _ in range(200):
+        for u in eng.step():
+            got[ids[u.request_id]] += u.tokens
+        if eng.idle:
+            break
+    alone = decode.Decoder(target, drafter, GAMMA)
+    out = {}
+    for greedy in (True, False):
+        rows = [i for i, r in enumerate(reqs) if (r.sampling.temperature == 0) == greedy]
+        want = [alone.generate([reqs[i].prompt], max_new_tokens=MAX_NEW, keys=decode.request_keys(reqs[i].seed, 1),
+                               sampling=SamplingParams.from_rows([reqs[i].sampling])).tokens[0] for i in rows]
+        res = type("R", (), {"tokens": [got[i] for i in rows]})()
+        out["engine-" + ("greedy" if greedy else "sampled")] = (res, want, greedy)
+    try:
+        Engine(decode.Decoder(target, mesh=mesh), slots=3)
+        out["engine-slots-refused"] = (type("R", (), {"tokens": [[0]]})(), [[1]], True)  # must not be reached
+    except ValueError as e:
+        assert "multiple of the mesh's data axis" in str(e), e
+    return out
+
+
 def run_tiny():
     target, drafter, prompts = tiny_case()
     sampled = SamplingParams.create(len(prompts), temperature=1.0)
@@ -135,6 +168,8 @@ def run_tiny():
 
             tree = decode.Decoder(target, NgramDrafter(1), mesh=mesh, tree_nodes=6, tree_depth=3, tree_topk=2)
             results["tree-greedy"] = (tree.generate(prompts, **kw), ref_g.tokens, True)
+        if shape == (2, 4):  # the serving engine (issue 31) on the mesh: slots split over data
+            results.update(engine_cases(target, drafter, prompts, mesh))
         if shape[0] == 8:  # 5 rows padded to 8 reuse the compiled batch-8 programs
             s5 = SamplingParams.create(5, temperature=1.0)
             results["ar-greedy-b5"] = (ar.generate(prompts[:5], **kw), ref_g.tokens[:5], True)

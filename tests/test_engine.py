@@ -173,21 +173,46 @@ def test_engine_arguments_are_checked():
             Engine(dec, **kw)
 
 
-def test_speculation_under_load_keeps_every_guarantee():
-    """``spec_max_running=0``: greedy rows and unseeded sampled rows stop speculating once a request
-    runs (no drafts offered, tokens = the alone run's for greedy rows), while seeded sampled rows
-    keep their method and still equal ``generate --seed`` alone."""
-    dec = _decoder("model")
+@pytest.mark.parametrize("setup", ["model", "eagle3-tree"])
+def test_speculation_under_load_keeps_every_guarantee(setup):
+    """``spec_max_running=0``: while only greedy requests run, chunks run the ``plain`` program
+    (one-token target calls, the drafter idle) on the same state, between speculative chunks
+    (chain and tree states); sampled requests keep speculating and still equal ``generate --seed``
+    alone; greedy requests equal their alone runs whichever program committed their tokens."""
+    dec = _decoder(setup)
     eng = Engine(dec, slots=3, max_context=160, rounds_per_chunk=2, max_logprobs=4, spec_max_running=0)
     reqs = _requests(6, seed=5)
     out = _serve(eng, reqs)
+    skipped = 0  # draft calls that plain rounds saved
     for j, r in enumerate(reqs):
-        toks, fin, _ = out[j]
+        toks, fin, lps = out[j]
         assert toks == _alone(dec, r).tokens[0], j
-        if r.sampling.temperature == 0:
-            assert fin.stats.drafted_tokens == 0, j
-        elif r.speculative:
-            assert fin.stats.drafted_tokens > 0, j
+        skipped += fin.stats.target_calls - fin.stats.draft_calls
+        if r.sampling.temperature > 0 and r.speculative:
+            assert fin.stats.draft_calls == fin.stats.target_calls and fin.stats.drafted_tokens > 0, j
+        if r.logprobs is not None:
+            assert [x["id"] for x in lps] == toks
+    plain = {k[1].plain for k in dec._compiled if k[0] == "run"}
+    assert plain == {False, True} and skipped > 0, (plain, skipped)  # both programs ran
+
+
+def test_plain_rounds_give_the_speculative_rounds_tokens():
+    """A request alone with ``speculative: false`` runs only plain chunks (no draft call, one target
+    call per token) and gets the tokens of the same request in the speculative program with no
+    drafts offered (the same per-round key, the same one-token logits): greedy and seeded sampling."""
+    dec = _decoder("model")
+    reqs = [EngineRequest(list(range(3, 20)), max_new_tokens=12, seed=7, speculative=False,
+                          sampling=s) for s in (Sampling(), Sampling(temperature=0.9, top_k=30))]
+    for r in reqs:
+        eng = Engine(dec, slots=2, max_context=160, rounds_per_chunk=3, max_logprobs=None)
+        eng.submit(r)
+        ups = [u for _ in range(20) for u in eng.step()]
+        toks, fin = [t for u in ups for t in u.tokens], ups[-1]
+        mixed = Engine(dec, slots=2, max_context=160, rounds_per_chunk=3, max_logprobs=None)
+        other = EngineRequest(list(range(30, 40)), max_new_tokens=12, seed=1)  # speculates: the chunks are not plain
+        out = _serve(mixed, [r, other])
+        assert fin.stats.draft_calls == 0 and fin.stats.target_calls == len(toks) == 12
+        assert toks == out[0][0] and out[0][1].stats.drafted_tokens == 0
 
 
 @pytest.mark.parametrize("fmt, setup", [("int8", "ngram"), ("float32", "eagle3-tree")])
@@ -239,3 +264,28 @@ def test_long_prompts_are_admitted_one_chunk_per_step(monkeypatch):
     assert eng.step() == [] and eng._admitting is not None and eng._admitting.done_chunks == 1
     eng.cancel(rid)
     assert [(u.request_id, u.finish_reason) for u in eng.step()] == [(rid, "cancelled")] and eng.idle
+
+
+def test_auto_speculation_measures_both_programs_and_keeps_tokens():
+    """``speculation="auto"``: greedy requests alone run chunks of both programs (the speculative
+    one first, then a plain one to measure it, then the faster with probes of the other), every
+    request equals its alone run, and the policy holds a measured rate for each program."""
+    from specjax.runtime.spec_policy import PROBE_SPEC, AutoSpeculation
+
+    dec = _decoder("model")
+    eng = Engine(dec, slots=2, max_context=160, rounds_per_chunk=2, max_logprobs=None, speculation="auto")
+    reqs = [EngineRequest(list(range(3 + i, 20 + i)), max_new_tokens=40, seed=i) for i in range(3)]
+    out = _serve(eng, reqs)
+    for j, r in enumerate(reqs):
+        assert out[j][0] == _alone(dec, r).tokens[0], j
+    auto = eng._auto
+    assert auto.spec and auto.plain_rate and set(auto.spec) == set(auto.plain_rate)
+    # the choice: faster program, probes of the other
+    a = AutoSpeculation(spec={None: 1.0}, plain_rate={None: 2.0})
+    picks = []
+    for _ in range(2 * PROBE_SPEC):
+        picks.append(a.plain(None))
+        a.record(picks[-1], None, 10, 1, 10.0 if picks[-1] else 20.0)
+    assert picks.count(False) == 2 and all(picks[:PROBE_SPEC - 1])
+    with pytest.raises(ValueError, match="speculation must be one of"):
+        Engine(dec, slots=2, max_context=160, speculation="sometimes")

@@ -75,17 +75,18 @@ def test_counters_count_only_emitted_tokens(tiny, gamma):
 
 def test_row_stats_cut_inside_a_round():
     """row_stats on a hand-made record: rounds 0 (2 accepted + correction, 3 offered), 1 (bonus
-    after 3 of 3), 2 (a plain step); cuts at every length."""
-    # info = accepted + 2·rejected + 4·offered
-    info = [1 + 2 + 12, 1 + 2 + 12, 2 + 12, 1 + 12, 1 + 12, 1 + 12, 12, 0]
-    rounds = [0, 0, 0, 1, 1, 1, 1, 2]
-    full = row_stats(np.array(info), np.array(rounds), 8, True)
-    assert full == dict(new_tokens=8, target_calls=3, draft_calls=3, drafted_tokens=6, accepted_tokens=5,
-                        checked_tokens=6, accept_hist=[1, 0, 1, 1])
+    after 3 of 3), 2 (a one-token step after a proposal of nothing), 3 (a plain program's round:
+    the drafter did not run); cuts at every length."""
+    # info = accepted + 2·rejected + 4·plain + 8·offered
+    info = [1 + 2 + 24, 1 + 2 + 24, 2 + 24, 1 + 24, 1 + 24, 1 + 24, 24, 0, 4]
+    rounds = [0, 0, 0, 1, 1, 1, 1, 2, 3]
+    full = row_stats(np.array(info), np.array(rounds), 9, True)
+    assert full == dict(new_tokens=9, target_calls=4, draft_calls=3, drafted_tokens=6, accepted_tokens=5,
+                        checked_tokens=6, accept_hist=[2, 0, 1, 1])
     cut = row_stats(np.array(info), np.array(rounds), 5, True)  # inside round 1, after 2 accepted drafts
     assert cut == dict(new_tokens=5, target_calls=2, draft_calls=2, drafted_tokens=5, accepted_tokens=4,
                        checked_tokens=5, accept_hist=[0, 0, 2])
-    for k in range(9):
+    for k in range(10):
         s = row_stats(np.array(info), np.array(rounds), k, True)
         assert s["accepted_tokens"] <= s["checked_tokens"] <= s["drafted_tokens"] and s["accepted_tokens"] <= k
 

@@ -332,7 +332,7 @@ def test_cli_without_the_serve_extra(monkeypatch, capsys):
     (["--port", "70000"], "--port must be in [0, 65535]"),
     (["--draft", "ngram", "--gamma", "auto"], "--gamma N"),
     (["--temperature", "-1"], "--temperature must be"),
-    (["--mesh", "data=1"], "drop --mesh"),
+    (["--speculation", "sometimes"], "--speculation"),
     (["--max-context", "1"], "--max-context must be >= 2"),
 ])
 def test_cli_errors_are_one_line(argv, words, capsys, monkeypatch):

@@ -10,6 +10,7 @@ import sys
 import time
 
 from specjax.cli.common import UsageError, add_model_args, note, parse_gamma, resolve
+from specjax.runtime.spec_policy import SPECULATION
 
 EXTRA_MISSING = 'specjax serve needs the serve extra: pip install "specjax[serve]"'
 
@@ -84,9 +85,14 @@ def cmd_serve(args) -> int:
     if gamma == "auto":
         raise UsageError("--gamma auto measures on the run's prompts, which a server does not have; give --gamma N "
                          "(`specjax analyze` or `specjax generate --gamma auto` on typical prompts recommends one)")
-    if args.mesh:  # (resolve checked its syntax)
-        raise UsageError("--mesh: specjax serve runs on one device (the engine does not shard yet); drop --mesh")
     mesh = None
+    if args.mesh:  # (resolve checked its syntax)
+        from specjax.runtime import sharding
+
+        mesh = sharding.MeshSpec.parse(args.mesh)
+        if args.max_batch % mesh.data:
+            raise UsageError(f"--max-batch {args.max_batch} must be a multiple of the mesh's data axis ({mesh.data}): "
+                             f"requests are split over it; use --max-batch {args.max_batch + (-args.max_batch % mesh.data)}")
     _check_port_free(args.host, args.port)
     progress = None if os.environ.get("SPECJAX_NO_PROGRESS") else Progress()
     t0 = time.perf_counter()
@@ -150,7 +156,8 @@ def build_engine(target, drafter, gamma, tree, mesh, progress, args):
         raise UsageError(f"--max-context {args.max_context} is more than the {lim} tokens the context of {target.name}"
                          f"{both} holds; use --max-context {lim} or less")
     engine = Engine(dec, slots=args.max_batch, max_context=args.max_context, rounds_per_chunk=args.rounds_per_chunk,
-                    max_logprobs=MAX_LOGPROBS, spec_max_running=args.spec_max_running)
+                    max_logprobs=MAX_LOGPROBS, spec_max_running=args.spec_max_running,
+                    speculation=args.speculation)
     if not args.warmup:
         return engine, None
     with phase(progress, f"warm-up: compiling the engine's programs ({args.max_batch} slots)"):
@@ -177,10 +184,15 @@ def register_cli(subparsers) -> None:
     p.add_argument("--max-context", type=int, default=None, metavar="N",
                    help="tokens one request may hold, prompt + new (default: the model's context); every slot "
                         "holds this many, so it sets the KV-cache memory and each round's attention cost")
+    p.add_argument("--speculation", choices=SPECULATION, default="auto",
+                   help="speculation under load: 'auto' (default) — while only greedy requests run (the same "
+                        "tokens either way), each chunk of rounds runs speculative or plain one-token rounds, "
+                        "whichever the server measured faster for the running requests; 'always' — always "
+                        "speculate (but see --spec-max-running). Sampled requests always keep their method, "
+                        "so their seed reproduces them")
     p.add_argument("--spec-max-running", type=int, default=None, metavar="N",
-                   help="speculation under load: while more than N requests run, greedy requests and sampled ones "
-                        "without a seed decode without drafts (same tokens / same distribution); seeded sampled "
-                        "requests keep speculating (default: always speculate)")
+                   help="while more than N requests run and none of them is sampled, decode without drafts "
+                        "(plain one-token rounds; greedy output is the same; default: no limit)")
     p.add_argument("--rounds-per-chunk", type=int, default=4, metavar="N",
                    help="speculation rounds per engine step (one streamed update per step; default 4)")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,

@@ -43,7 +43,9 @@ from specjax.models.llama import KVCache
 from specjax.runtime.decoder import SEED_LIMIT, Decoder, kv_views, prompt_bucket, request_keys
 from specjax.runtime.prefill import PREFILL_CHUNK, prefill_jit, prefill_program, prompt_chunk_jit, size_for_gamma
 from specjax.runtime.results import RowStats, host_result
+from specjax.runtime.spec_policy import SPECULATION, AutoSpeculation
 
+_PINNED = object()  # a chunk whose rows cannot switch method (a sampled request runs)
 ENGINE_STOP_IDS = 16  # stop-id slots per row (the model's EOS ids + a request's stop token ids)
 ADMIT_TOKENS = PREFILL_CHUNK  # prompt tokens prefilled per step (a longer prompt: one chunk per step; bounds the stall)
 
@@ -154,36 +156,47 @@ def _check_int(name, v, lo, hi=None):
 
 class Engine:
     """Continuous batching over ``slots`` rows of one :class:`~specjax.runtime.decoder.Decoder`
-    (its target, drafter, γ or tree; one device).
+    (its target, drafter, γ or tree; one device or the Decoder's mesh: rows on ``data``, so
+    ``slots`` a multiple of it, weights and caches on ``model``; a request is prefilled at batch 1
+    and written into the sharded slots).
 
     ``max_context``: tokens one request may hold (prompt + new); default the decoder's context.
     Every slot's buffer (and KV cache) holds this many, so it sets memory and the attention
     cost of every round. ``rounds_per_chunk``: rounds between admissions and updates.
     ``max_logprobs``: the most top alternatives a request may ask for (the programs record this
     many for every row and each request gets its own count); ``None``: log-probabilities off.
-    ``spec_max_running``: speculation under load — while more than this many requests run, rows
-    whose tokens do not depend on it stop speculating (greedy rows: the same tokens either way;
-    sampled rows without a ``seed``: the same distribution); a sampled request with a ``seed`` keeps
-    its method (its tokens are ``generate --seed``'s). A round in which no row is offered a draft is
-    a plain one-token target call for a drafter that may propose nothing (n-gram); a drafter that
-    always proposes still runs its γ + 1-token verification (with no draft allowed), so there the
-    switch changes what is accepted, not the cost (measured: BENCHMARKS.md "Issue 31"; a one-token
-    call under ``lax.cond`` in those programs was slower at every occupancy on XLA CPU).
-    ``None`` (default): always speculate.
+    Speculation under load: a chunk in which no running row speculates runs the ``plain``
+    program (one-token target calls on the same state, the drafter idle:
+    :func:`~specjax.runtime.loop._plain_round`), at autoregressive cost. Greedy requests (the same
+    tokens either way) may be switched; a sampled request keeps speculating (its tokens are its
+    seed's: ``generate --seed``), so a chunk with one is speculative. ``speculation``:
+    ``"always"`` (default) — greedy rows speculate unless ``spec_max_running`` is given and more
+    than that many requests run; ``"auto"`` — each chunk whose rows may switch runs the program
+    measured faster at its attention view (:class:`~specjax.runtime.spec_policy.AutoSpeculation`:
+    committed tokens per second per row, re-measured now and then). On one device every program
+    computes all slots, so a round's cost does not depend on the occupancy; the tokens a
+    speculative round commits depend on the requests, which is what the measurement follows.
 
     Thread safety: :meth:`submit` and :meth:`cancel` may be called from any thread; :meth:`step`
     from one thread only.
 
     Raises:
-      ValueError: ``slots``, ``max_context``, ``rounds_per_chunk`` or ``max_logprobs`` out of
-        range, or a decoder on a device mesh (not supported yet).
+      ValueError: ``slots``, ``max_context``, ``rounds_per_chunk``, ``max_logprobs``,
+        ``spec_max_running`` or ``speculation`` out of range, or ``slots`` not a multiple of the
+        mesh's ``data`` axis.
     """
 
     def __init__(self, decoder: Decoder, slots: int = 8, max_context: int | None = None,
-                 rounds_per_chunk: int = 4, max_logprobs: int | None = 20, spec_max_running: int | None = None):
-        if decoder.mesh is not None:
-            raise ValueError("the engine runs on one device; drop the mesh (--mesh) to serve")
+                 rounds_per_chunk: int = 4, max_logprobs: int | None = 20, spec_max_running: int | None = None,
+                 speculation: str = "always"):
         _check_int("slots", slots, 1)
+        if decoder.mesh is not None:
+            from specjax.runtime.sharding import DATA
+
+            d = int(decoder.mesh.shape[DATA])
+            if slots % d:
+                raise ValueError(f"slots ({slots}) must be a multiple of the mesh's data axis ({d}): rows are "
+                                 f"split over it; use {slots + (-slots % d)} slots")
         _check_int("rounds_per_chunk", rounds_per_chunk, 1)
         cfg = decoder.target.config
         if max_logprobs is not None:
@@ -194,12 +207,18 @@ class Engine:
         if spec_max_running is not None:
             _check_int("spec_max_running", spec_max_running, 0)
         self.spec_max_running = spec_max_running
+        if speculation not in SPECULATION:
+            raise ValueError(f"speculation must be one of {', '.join(SPECULATION)}, got {speculation!r}")
+        self.speculation = speculation
+        self._auto = AutoSpeculation() if speculation == "auto" and decoder.drafter is not None else None
         self.decoder = decoder
         self.slots = int(slots)
         self.rounds_per_chunk = int(rounds_per_chunk)
         self.max_logprobs = max_logprobs
         self.context_limit = ctx if max_context is None else int(max_context)
         self.prog = decoder.slot_program(self.context_limit, max_logprobs)
+        # the rounds when no running row speculates: one-token target calls on the same state
+        self._plain = None if decoder.drafter is None else dataclasses.replace(self.prog, plain=True)
         self._sprog = prefill_program(self.prog)
         self._eos = [int(e) for e in cfg.eos_token_ids]
         self._lock = threading.Lock()
@@ -209,6 +228,7 @@ class Engine:
         self._slots: dict[int, _Running] = {}
         self._admitting: _Admitting | None = None
         self._state = None
+        self._shardings = None  # on a mesh: the state's shardings (_placed)
         self._speculating = None  # the running rows' switches last set by _policy
 
     # ---- requests (any thread)
@@ -278,8 +298,9 @@ class Engine:
         t0 = time.perf_counter()
         st = self._ensure_state()
         args = self.decoder._run_args(st, 0)
-        for v in kv_views(self.prog.buffer_len) + [None]:  # every attention view's program
-            self.decoder._get("run", dataclasses.replace(self.prog, kv_view=v), args)
+        for prog in (self.prog, self._plain):
+            for v in kv_views(self.prog.buffer_len) + [None] if prog is not None else []:  # every view's program
+                self.decoder._get("run", dataclasses.replace(prog, kv_view=v), args)
         p = self.decoder.prompt_bucket
         while p <= min(int(prompt_tokens), self.context_limit - 1):
             self._row_state([0] * p, 1, 0, Sampling(), (), True)
@@ -308,14 +329,29 @@ class Engine:
         if self._state is None:
             row = self._row_state([0], 1, 0, Sampling(), (), True)
             st = jax.tree_util.tree_map(lambda x: jnp.repeat(x, self.slots, axis=0) if jnp.ndim(x) else x, row)
-            self._state = dataclasses.replace(st, done=jnp.ones((self.slots,), bool))
+            self._state = self._placed(dataclasses.replace(st, done=jnp.ones((self.slots,), bool)))
         return self._state
 
-    def _run_chunk(self, st, rounds: int):
+    def _placed(self, st):
+        """On a mesh, ``st`` with the decode programs' state shardings (rows on ``data``, caches on
+        ``model``: :func:`~specjax.runtime.sharding.state_shardings`; a no-op when already so),
+        so every compiled program sees the layout it was compiled for; off a mesh ``st``."""
+        if self.decoder.mesh is None:
+            return st
+        from specjax.runtime import sharding
+
+        if self._shardings is None:
+            self._shardings = sharding.state_shardings(self.prog, st, self.decoder.mesh)
+        return jax.device_put(st, self._shardings)
+
+    def _run_chunk(self, st, rounds: int, plain: bool = False):
         """``rounds`` rounds over every slot (:meth:`Decoder.run`: its attention views follow the
-        longest running row, so short requests do not pay for the context the slots are sized to)."""
-        st, _, _ = self.decoder.run(self.prog, st, int(np.asarray(st.round)) + rounds)
-        return st
+        longest running row, so short requests do not pay for the context the slots are sized to);
+        ``plain``: one-token target calls (:func:`~specjax.runtime.loop._plain_round`), for chunks
+        in which no running row speculates. Returns ``(state, decode seconds)``."""
+        prog = self._plain if plain and self._plain is not None else self.prog
+        st, _, seconds = self.decoder.run(prog, st, int(np.asarray(st.round)) + rounds)
+        return st, seconds
 
     def step(self) -> list[Update]:
         """Cancel, admit, run one chunk of rounds, report (see the module docstring)."""
@@ -334,14 +370,19 @@ class Engine:
         if ending:
             mask = np.zeros(self.slots, bool)
             mask[ending] = True
-            st = _end_jit(st, jax.device_put(mask))
+            st = self._placed(_end_jit(st, jax.device_put(mask)))
         st = self._admit(st)
+        ran = None
         if any(s not in ending for s in self._slots):
-            st = self._policy(st)
-            st = self._run_chunk(st, self.rounds_per_chunk)
+            st, plain, view = self._policy(st)
+            rows = len(self._slots)
+            st, seconds = self._run_chunk(st, self.rounds_per_chunk, plain)
+            ran = (plain, view, rows, seconds)
         self._state = st
-        updates += self._report(st, set(ending))
-        return updates
+        reported = self._report(st, set(ending))
+        if ran is not None and ran[1] is not _PINNED:
+            self._auto.record(ran[0], ran[1], sum(len(u.tokens) for u in reported), ran[2], ran[3])
+        return updates + reported
 
     def _admit(self, st):
         """Admit queued requests into free slots, about :data:`ADMIT_TOKENS` prompt tokens per
@@ -371,7 +412,7 @@ class Engine:
         return st
 
     def _insert(self, st, row, slot, rid, req, seed):
-        st = _insert_jit(st, row, jnp.int32(slot), jnp.bool_(req.speculative))
+        st = self._placed(_insert_jit(st, row, jnp.int32(slot), jnp.bool_(req.speculative)))
         self._slots[slot] = _Running(rid, req, seed, len(req.prompt), len(req.prompt))
         if self._speculating is not None:  # what insert_row set
             self._speculating[slot] = bool(req.speculative)
@@ -401,21 +442,37 @@ class Engine:
                               a.req.stop_token_ids, a.req.ignore_eos, forward=(a.hidden, a.cache))
         return self._insert(st, row, a.slot, a.rid, a.req, a.seed)
 
+    def _view(self):
+        """The attention view the next chunk starts in (:func:`kv_views`; ``None``: the whole buffer)."""
+        need = max(r.reported for r in self._slots.values()) - 1 + self.prog.round_span
+        return next((v for v in kv_views(self.prog.buffer_len) if need <= v), None)
+
     def _policy(self, st):
-        """Set each running row's speculation switch (``spec_max_running``); one small device
-        update when a switch changes."""
-        if self.spec_max_running is None or self.decoder.drafter is None:
-            return st
-        load = len(self._slots) > self.spec_max_running
+        """Set each running row's speculation switch; one small device update when a switch
+        changes. A request with ``speculative: false`` never speculates; a sampled request always
+        does (its tokens are its seed's, :func:`generate`'s); greedy requests (the same tokens either
+        way) speculate unless the chunk can be plain — no sampled request runs — and
+        ``spec_max_running`` is exceeded or ``speculation="auto"`` measured plain chunks faster
+        (:class:`~specjax.runtime.spec_policy.AutoSpeculation`). Returns ``(state, plain, view)``:
+        ``plain`` when no running row speculates, so the chunk runs one-token target calls (a
+        verification without drafts would cost more and commit the same one token); ``view`` the
+        chunk's attention view for the auto policy's record, or ``_PINNED`` when its rows could not
+        switch (nothing to record)."""
+        if self.decoder.drafter is None:
+            return st, False, _PINNED
+        running = self._slots.values()
+        switchable = not any(r.req.speculative and r.req.sampling.temperature > 0 for r in running)
+        view = self._view() if switchable and self._auto is not None else _PINNED
+        off = switchable and ((self.spec_max_running is not None and len(self._slots) > self.spec_max_running)
+                              or (view is not _PINNED and self._auto.plain(view)))
         want = np.zeros(self.slots, bool)
         for slot, r in self._slots.items():
-            pinned = r.req.seed is not None and r.req.sampling.temperature > 0
-            want[slot] = r.req.speculative and (pinned or not load)
+            want[slot] = r.req.speculative and not off
         if self._speculating is None or not np.array_equal(want[list(self._slots)],
                                                            self._speculating[list(self._slots)]):
-            st = _speculate_jit(st, jax.device_put(want))
+            st = self._placed(_speculate_jit(st, jax.device_put(want)))
         self._speculating = want
-        return st
+        return st, not want.any(), view
 
     def _report(self, st, cancelled: set) -> list[Update]:
         if not self._slots:

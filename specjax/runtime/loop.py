@@ -95,8 +95,9 @@ class DecodeState:
     stats: :class:`Stats`.
     emit_round: ``[B, L]`` int32, per committed slot, the round that committed it.
     emit_info: ``[B, L]`` int32, per committed slot: bit 0 = an accepted draft token;
-      bit 1 = its round rejected a draft; bits 2.. = draft tokens its round offered (all
-      three counted only up to the row's first EOS). :func:`row_stats` derives every
+      bit 1 = its round rejected a draft; bit 2 = its round was a plain one (the drafter did not
+      run, :func:`_plain_round`); bits 3.. = draft tokens its round offered (accepted, rejected and
+      offered counted only up to the row's first EOS). :func:`row_stats` derives every
       counter of a row from these two, also for a row cut short on the host (stop strings).
     logprobs: :class:`Logprobs` buffers, or ``None`` when not requested.
     """
@@ -171,6 +172,7 @@ class Program:
     logprobs: int = -1  # top alternatives recorded per token; -1 = no log-probabilities
     tree: TreeShape | None = None
     kv_view: int | None = None  # the target attends over the first kv_view cache slots (None: all); see run_rounds
+    plain: bool = False  # every round a one-token target call, the drafter idle (see _plain_round)
 
     def __post_init__(self):
         require_drafter(self.drafter)
@@ -435,7 +437,7 @@ def _count(prog: Program, st: DecodeState, n, allowed, count, new, rejected=None
     s = st.stats
     stats = Stats(
         target_calls=s.target_calls + a,
-        draft_calls=s.draft_calls + (a if prog.drafter is not None else 0),
+        draft_calls=s.draft_calls + (a if prog.drafter is not None and not prog.plain else 0),
         drafted_tokens=s.drafted_tokens + drafted,
         accepted_tokens=s.accepted_tokens + accepted,
         checked_tokens=s.checked_tokens + accepted + rejected,
@@ -443,7 +445,7 @@ def _count(prog: Program, st: DecodeState, n, allowed, count, new, rejected=None
         accept_hist=s.accept_hist + a[:, None] * jax.nn.one_hot(accepted, s.accept_hist.shape[1], dtype=jnp.int32),
     )
     info = ((jnp.arange(width)[None, :] < accepted[:, None]).astype(jnp.int32)
-            + 2 * rejected[:, None] + 4 * drafted[:, None])
+            + 2 * rejected[:, None] + 4 * int(prog.plain) + 8 * drafted[:, None])
     emit_info = _write_rows(st.emit_info, info, st.lengths)
     emit_round = _write_rows(st.emit_round, jnp.broadcast_to(st.round, (b, width)).astype(jnp.int32), st.lengths)
     return stats, emit_info, emit_round
@@ -553,6 +555,32 @@ def _tree_round(prog: Program, tparams, dparams, st: DecodeState) -> DecodeState
     return _finish_round(prog, st, cache, n, chunk, offered, rejected, dstate, hidden, lps)
 
 
+def _plain_round(prog: Program, tparams, dparams, st: DecodeState) -> DecodeState:
+    """A round of a ``plain`` program: one target call over each row's last committed token, the
+    next token drawn from p (autoregressive decoding), on the state of a speculative program (γ or
+    a tree) — the serving engine's rounds when no running row may speculate
+    (:class:`specjax.runtime.engine.Engine`): a row that speculates gets nothing from a verification
+    without drafts, so this round costs what autoregressive decoding costs.
+
+    The state afterwards is the one a speculative round leaves when it accepts no draft
+    (``last_accepted`` 0, the step's hidden state at index 0 of ``target_hidden``), so a
+    speculative round may follow. The drafter does not run: its own state (a feature drafter's
+    K/V of the committed tokens) misses the tokens committed by plain rounds, which lowers its
+    acceptance later and never changes the output distribution (q is still what is sampled from).
+    Keys: the chain's or tree's layout (the last of ``fold_in(key, round)``'s draws); a greedy row's
+    tokens are those of a speculative round (the verification's logits equal a one-token call's)."""
+    b = st.lengths.shape[0]
+    zeros = jnp.zeros((b,), jnp.int32)
+    rkeys, last, _ = _round_inputs(st, prog.gamma if prog.tree is None else prog.tree.nodes)
+    p, logits, cache, hid = _target_step(prog, tparams, st, last, prog.drafter is not None)
+    nxt = jax.vmap(sample)(rkeys[:, -1], p[:, 0])
+    hidden = st.target_hidden if hid is None else jnp.zeros_like(st.target_hidden).at[:, :1].set(hid)
+    chunk = _chunk_of(jnp.zeros((b, prog.block - 1), jnp.int32), zeros, nxt)
+    lps = _round_logprobs(prog, st.sampling, p, logits, chunk)
+    rejected = None if prog.tree is None else jnp.zeros((b,), bool)
+    return _finish_round(prog, st, cache, zeros, chunk, zeros, rejected, st.drafter_state, hidden, lps)
+
+
 def view_fits(prog: Program, st: DecodeState):
     """Whether the next round of every running row stays inside ``prog.kv_view`` (a bool scalar;
     always true without a view)."""
@@ -572,8 +600,9 @@ def run_rounds(prog: Program, tparams, dparams, st: DecodeState, round_limit) ->
     (a program with a ``kv_view``) the next round would attend beyond the view — then the caller
     continues with a larger view (:meth:`specjax.runtime.decoder.Decoder.run`): the target's
     attention costs what the live rows need, not the whole buffer, with the same tokens (chain
-    rounds :func:`_round`, or :func:`_tree_round` for a program with a tree)."""
-    round_fn = _round if prog.tree is None else _tree_round
+    rounds :func:`_round`, or :func:`_tree_round` for a program with a tree; :func:`_plain_round` for a
+    ``plain`` one)."""
+    round_fn = _plain_round if prog.plain else _round if prog.tree is None else _tree_round
     return jax.lax.while_loop(
         lambda s: jnp.any(~s.done) & (s.round < round_limit) & view_fits(prog, s),
         lambda s: round_fn(prog, tparams, dparams, s),

@@ -104,11 +104,12 @@ def row_stats(info: np.ndarray, rounds: np.ndarray, keep: int, speculative: bool
     starts = np.flatnonzero(np.r_[True, r[1:] != r[:-1]])
     acc = np.add.reduceat(info & 1, starts)
     rej = (info[starts] >> 1) & 1
-    drafted = info[starts] >> 2
+    drafted = info[starts] >> 3
+    drafter_ran = ((info[starts] >> 2) & 1) == 0  # not a plain round
     if keep < len(rounds) and rounds[keep] == r[-1]:  # the last kept round was cut short
         rej[-1], drafted[-1] = 0, acc[-1]
     calls = len(starts)
-    return dict(new_tokens=int(keep), target_calls=calls, draft_calls=calls if speculative else 0,
+    return dict(new_tokens=int(keep), target_calls=calls, draft_calls=int(drafter_ran.sum()) if speculative else 0,
                 drafted_tokens=int(drafted.sum()), accepted_tokens=int(acc.sum()),
                 checked_tokens=int(acc.sum() + rej.sum()), accept_hist=np.bincount(acc).tolist())
 
