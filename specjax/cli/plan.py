@@ -22,8 +22,6 @@ from specjax.cli.common import (
 
 _UNITS = {"": 1, "b": 1, "k": 2 ** 10, "kib": 2 ** 10, "kb": 10 ** 3, "m": 2 ** 20, "mib": 2 ** 20, "mb": 10 ** 6,
           "g": 2 ** 30, "gib": 2 ** 30, "gb": 10 ** 9, "t": 2 ** 40, "tib": 2 ** 40, "tb": 10 ** 12}
-# the plan never runs what it compiles: lower LLVM optimization (same buffers, about half the compile time)
-_FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
 
 
 def parse_memory(text: str) -> int:
@@ -61,8 +59,7 @@ def parse_mesh(text: str | None) -> tuple[int, int] | None:
 
 def cpu_devices(n: int):
     """``n`` CPU devices to compile on. Before JAX has started its backends, set
-    ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` (with :data:`_FAST_COMPILE`) and the CPU
-    platform; after, use the CPU devices it has.
+    ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` and the CPU platform; after, use the CPU devices it has.
 
     Raises:
       UsageError: JAX already started with fewer CPU devices (run the command in a fresh process)."""
@@ -74,7 +71,6 @@ def cpu_devices(n: int):
         have = [int(x) for x in re.findall(r"--xla_force_host_platform_device_count=([0-9]+)", flags)]
         flags = re.sub(r"--xla_force_host_platform_device_count=\S*", "", flags)
         flags += f" --xla_force_host_platform_device_count={max([n, *have])}"
-        flags += "".join(f" {f}" for f in _FAST_COMPILE if f.split("=")[0] not in flags)
         os.environ["XLA_FLAGS"] = " ".join(flags.split())
         jax.config.update("jax_platforms", "cpu")
     devices = jax.devices("cpu")
@@ -124,11 +120,11 @@ def cmd_plan(args) -> int:
     from specjax.runtime.progress import Progress, phase
 
     req, on_mesh = plan_request(args)
-    devices = cpu_devices(req.devices)
-    devices = devices if on_mesh else None  # one device, no mesh: the program generate runs without --mesh
-    line = plan.refusal(req)  # the weights alone (analytic) do not fit: nothing to compile
+    line = plan.refusal(req)  # weights + KV cache (analytic) do not fit: nothing to compile, no devices needed
     if line is not None:
         raise UsageError(line)
+    devices = cpu_devices(req.devices)
+    devices = devices if on_mesh else None  # one device, no mesh: the program generate runs without --mesh
     progress = None if os.environ.get("SPECJAX_NO_PROGRESS") else Progress()
     where = f"{req.devices} virtual CPU device{'s' if req.devices > 1 else ''}"
     with phase(progress, f"compiling the prefill and decode loop of {req.name} on {where} (no weights allocated)"):

@@ -34,6 +34,8 @@ from specjax.models.config import ModelConfig
 from specjax.runtime import sharding
 
 GiB = 2 ** 30
+# the plan never runs what it compiles: lower LLVM optimization (the same buffers, about half the compile time)
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 CPU_NOTE = ("temporaries come from the XLA CPU compiler: an estimate of a TPU's or GPU's (their compilers "
             "fuse and schedule differently)")
 
@@ -292,6 +294,8 @@ def compile_programs(req: PlanRequest, devices=None) -> dict:
     cache = req.cache_dtype
 
     class PlanDecoder(Decoder):  # the programs an accelerator's Decoder builds (its KV-cache dtype)
+        compiler_options = FAST_COMPILE
+
         @property
         def cache_dtype(self) -> str:
             return cache
