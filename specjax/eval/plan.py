@@ -337,7 +337,8 @@ def plan(req: PlanRequest, devices=None) -> dict:
     fig = {
         "model": req.name, "dtype": llama.weight_format(req.dtype), "kv_cache_dtype": req.cache_dtype,
         "mesh": req.mesh_text, "devices": req.devices, "batch": req.batch, "max_len": req.max_len,
-        "prompt_len": req.prompt_tokens, "buffer_len": int(c["buffer_len"]), "draft": req.draft if req.drafting else "none",
+        "prompt_len": req.prompt_tokens, "buffer_len": int(c["buffer_len"]),
+        "draft": req.draft if req.drafting else "none",
         "gamma": req.gamma if req.drafting else None, "device_memory": int(req.device_memory),
         "weights": int(weights), "kv_cache": int(kv), "state": int(state), "temporaries": temps,
         "peak": int(peaks[which]), "peak_program": which, "program_peaks": {k: int(v) for k, v in peaks.items()},

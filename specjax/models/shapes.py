@@ -28,7 +28,8 @@ class PublishedShape:
         return ModelConfig.from_hf_config(dict(self.hf_config))
 
 
-_LLAMA3_ROPE = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+_LLAMA3_ROPE = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=8192)
 _LLAMA3 = dict(model_type="llama", rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=131072,
                bos_token_id=128000, eos_token_id=128001, vocab_size=128256, num_key_value_heads=8)
 
