@@ -116,6 +116,12 @@ def plan_request(args):
 
 
 def cmd_plan(args) -> int:
+    """``specjax plan``: check the flags, refuse from the weight table when the weights and KV cache
+    alone do not fit (nothing compiled), set up the CPU devices, compile (:func:`specjax.eval.plan.plan`),
+    refuse when the compiled peak does not fit, else print the figures (text or ``--json``).
+
+    Raises:
+      UsageError: a bad flag, or a plan that does not fit (one line naming what would)."""
     from specjax.eval import plan
     from specjax.runtime.progress import Progress, phase
 
