@@ -3,8 +3,8 @@
 model sizes, on whatever JAX device the host has (one GPU or TPU chip; CPU works too).
 
 One script, no install, no network, no model files: the targets are **random bfloat16 weights** of
-the SmolLM2-135M, Llama-3.2-1B and Llama-3.1-8B shapes (the published ``config.json`` values below,
-parsed by :meth:`specjax.ModelConfig.from_hf_config`), generated on the device by jitted
+the SmolLM2-135M, Llama-3.2-1B and Llama-3.1-8B shapes (the published ``config.json`` values,
+declared once in :mod:`specjax.models.shapes`, parsed by :meth:`specjax.ModelConfig.from_hf_config`), generated on the device by jitted
 ``jax.random`` calls, so host memory stays small. Speed does not depend on the weights' values.
 
     PYTHONPATH=. python benchmarks/device.py --out results.json            # ≈ 5 min budget
@@ -75,40 +75,16 @@ from specjax.eval.bench_io import write_json
 from specjax.eval.hostcache import host_fingerprint
 from specjax.models import llama
 from specjax.models.attention import kv_cache_dtype
+from specjax.models.shapes import SHAPES as PUBLISHED
 from specjax.runtime.decoder import decode_buffer_len
 from specjax.runtime.loop import verification_mask
 
 DTYPE = "bfloat16"  # the weight format of every target (GPU/TPU default); KV cache: kv_cache_dtype(DTYPE)
 BATCH = 1
 
-# Published config.json values (Hugging Face model repositories named in "source").
-SHAPES = {
-    "smollm2-135m": {
-        "source": "HuggingFaceTB/SmolLM2-135M-Instruct config.json",
-        "config": dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                       num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152,
-                       rope_theta=100000.0, rope_scaling=None, tie_word_embeddings=True, rms_norm_eps=1e-5,
-                       max_position_embeddings=8192, bos_token_id=1, eos_token_id=2),
-    },
-    "llama-3.2-1b": {
-        "source": "meta-llama/Llama-3.2-1B config.json",
-        "config": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                       num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
-                       rope_theta=500000.0, tie_word_embeddings=True, rms_norm_eps=1e-5,
-                       max_position_embeddings=131072, bos_token_id=128000, eos_token_id=128001,
-                       rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                         original_max_position_embeddings=8192)),
-    },
-    "llama-3.1-8b": {
-        "source": "meta-llama/Llama-3.1-8B config.json",
-        "config": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
-                       rope_theta=500000.0, tie_word_embeddings=False, rms_norm_eps=1e-5,
-                       max_position_embeddings=131072, bos_token_id=128000, eos_token_id=128001,
-                       rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                         original_max_position_embeddings=8192)),
-    },
-}
+# The published config.json values of the shapes benchmarked (declared once, in specjax.models.shapes).
+SHAPES = {name: {"source": PUBLISHED[name].source, "config": dict(PUBLISHED[name].hf_config)}
+          for name in ("smollm2-135m", "llama-3.2-1b", "llama-3.1-8b")}
 SMOKE_SHAPES = {  # --cpu-smoke: one tiny shape (untied head, so both weight-byte rules are exercised)
     "tiny": {
         "source": "a tiny shape for the CPU smoke run (not a published model)",

@@ -1,6 +1,6 @@
 """``specjax`` command line: one module per command (:mod:`~specjax.cli.generate`,
 :mod:`~specjax.cli.bench`, :mod:`~specjax.cli.analyze`, :mod:`~specjax.cli.distill`,
-:mod:`~specjax.cli.serve`), shared
+:mod:`~specjax.cli.serve`, :mod:`~specjax.cli.plan`), shared
 argument handling in :mod:`~specjax.cli.common`. Nothing outside this package imports it.
 
 Errors in the user's input print one line ``specjax: error: …`` (what was wrong and
@@ -12,14 +12,14 @@ from __future__ import annotations
 import os
 import sys
 
-from specjax.cli import analyze, bench, distill, generate, serve
+from specjax.cli import analyze, bench, distill, generate, plan, serve
 from specjax.cli.common import (  # noqa: F401  (the shared helpers, for scripts and tests)
     UsageError, Parser, user_errors, add_model_args, collect_prompts, describe_error, enable_compilation_cache,
     load_target_and_drafter, note, parse_gamma, resolve,
 )
 from specjax.cli.generate import unescape  # noqa: F401
 
-COMMANDS = (generate, bench, analyze, distill, serve)
+COMMANDS = (generate, bench, analyze, distill, serve, plan)
 
 
 def build_parser() -> Parser:

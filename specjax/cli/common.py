@@ -15,7 +15,8 @@ import os
 from specjax.cli.errors import UsageError, Parser, user_errors, describe_error, note  # noqa: F401  (re-exported)
 from specjax.cli.flags import (  # noqa: F401  (re-exported)
     DTYPES, SHIPPED_PAIR, TREE_FLAGS, cap_gamma, check_settings, check_tree, tree_setting, add_knob_args,
-    add_model_args, chat_default, parse_gamma, resolve, sampling_class, sampling_of, shipped_pair_method,
+    add_draft_flags, add_dtype_flag, add_mesh_flag, add_model_args, add_model_flag, chat_default, parse_gamma, resolve,
+    sampling_class, sampling_of, shipped_pair_method,
 )
 
 

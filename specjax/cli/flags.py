@@ -13,18 +13,43 @@ from specjax.cli.errors import UsageError, note
 DTYPES = ("float32", "bfloat16", "int8")
 
 
-def add_model_args(p: argparse.ArgumentParser, multi_draft: bool = False, mesh: bool = True,
-                   auto_dtype: bool = False, trees: bool = True) -> None:
-    """Flags shared by generate / bench / analyze (``auto_dtype``: ``--dtype`` also takes ``auto``;
-    ``trees``: the ``--tree-*`` flags)."""
-    p.add_argument("--config", help="pair config: a TOML path or the name of a shipped config in configs/")
-    p.add_argument("--model", default=None, help="target: .gguf file, HF model dir or hub id (default: embedded SmolLM2-135M-Instruct)")
+def add_model_flag(p: argparse.ArgumentParser, help: str | None = None) -> None:
+    """``--model``: the target (every command that names one; ``help``: a command's own wording)."""
+    p.add_argument("--model", default=None, help=help or "target: .gguf file, HF model dir or hub id (default: embedded "
+                                                         "SmolLM2-135M-Instruct)")
+
+
+def add_draft_flags(p: argparse.ArgumentParser, multi_draft: bool = False) -> None:
+    """``--draft`` and ``--gamma`` (``multi_draft``: several of each, for bench)."""
     if multi_draft:
         p.add_argument("--draft", nargs="+", default=None, help="drafters: none, ngram[:N], default, shipped:NAME, PATH_OR_ID (several allowed)")
         p.add_argument("--gamma", nargs="+", default=None, help="draft tokens per round γ (several allowed)")
     else:
         p.add_argument("--draft", default=None, help="drafter: none, ngram[:N], default (trained, shipped), shipped:NAME (any drafter under models/), PATH_OR_ID")
         p.add_argument("--gamma", default=None, help="draft tokens per round γ (num_draft_tokens), or 'auto'")
+
+
+def add_dtype_flag(p: argparse.ArgumentParser, auto_dtype: bool = False) -> None:
+    """``--dtype``: the target's weight format (``auto_dtype``: also ``auto``)."""
+    if auto_dtype:
+        p.add_argument("--dtype", default=None, choices=[*DTYPES, "auto"],
+                       help="target weight format; auto: the fastest decode step on this host (measured once, cached)")
+    else:
+        p.add_argument("--dtype", default=None, choices=list(DTYPES), help="target weight format")
+
+
+def add_mesh_flag(p: argparse.ArgumentParser) -> None:
+    """``--mesh data=D,model=M``."""
+    p.add_argument("--mesh", default=None, help="device mesh, e.g. data=2,model=4 (default: one device)")
+
+
+def add_model_args(p: argparse.ArgumentParser, multi_draft: bool = False, mesh: bool = True,
+                   auto_dtype: bool = False, trees: bool = True) -> None:
+    """Flags shared by generate / bench / analyze (``auto_dtype``: ``--dtype`` also takes ``auto``;
+    ``trees``: the ``--tree-*`` flags)."""
+    p.add_argument("--config", help="pair config: a TOML path or the name of a shipped config in configs/")
+    add_model_flag(p)
+    add_draft_flags(p, multi_draft)
     if trees:
         p.add_argument("--tree-nodes", type=int, default=None, metavar="N",
                        help="draft trees instead of chains (with --tree-depth and --tree-topk): N nodes per round, "
@@ -33,11 +58,7 @@ def add_model_args(p: argparse.ArgumentParser, multi_draft: bool = False, mesh: 
                        help="the deepest tree node: at most D drafts accepted per round (a tree's γ)")
         p.add_argument("--tree-topk", type=int, default=None, metavar="K",
                        help="at most K children per tree node (K = 1: the chain of γ = D drafts)")
-    if auto_dtype:
-        p.add_argument("--dtype", default=None, choices=[*DTYPES, "auto"],
-                       help="target weight format; auto: the fastest decode step on this host (measured once, cached)")
-    else:
-        p.add_argument("--dtype", default=None, choices=list(DTYPES), help="target weight format")
+    add_dtype_flag(p, auto_dtype)
     p.add_argument("--draft-dtype", default=None, choices=list(DTYPES),
                    help="drafter weight format (default: the target's)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="new tokens per prompt (default 128)")
@@ -52,7 +73,7 @@ def add_model_args(p: argparse.ArgumentParser, multi_draft: bool = False, mesh: 
     p.add_argument("--batch-size", type=int, default=1, help="prompts decoded together")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS (fixed-length benchmarks)")
     if mesh:
-        p.add_argument("--mesh", default=None, help="device mesh, e.g. data=2,model=4 (default: one device)")
+        add_mesh_flag(p)
 
 
 def sampling_class():

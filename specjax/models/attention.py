@@ -104,10 +104,13 @@ def compact_tree_cache(
     return KVCache(k=[move(a) for a in cache.k], v=[move(a) for a in cache.v], lengths=cache.lengths)
 
 
-def kv_cache_dtype(weight_format: str) -> str:
+def kv_cache_dtype(weight_format: str, backend: str | None = None) -> str:
     """KV-cache dtype for a weight format: bfloat16 caches for bfloat16 weights on GPU/TPU;
-    float32 otherwise (XLA CPU has no fast batched bf16 attention dot)."""
-    if weight_format == "bfloat16" and jax.default_backend() != "cpu":
+    float32 otherwise (XLA CPU has no fast batched bf16 attention dot). ``backend``: the
+    platform the program is for (``"cpu"``, ``"gpu"``, ``"tpu"``; default JAX's default backend;
+    ``specjax plan`` compiles on CPU for an accelerator)."""
+    backend = jax.default_backend() if backend is None else backend
+    if weight_format == "bfloat16" and backend != "cpu":
         return "bfloat16"
     return "float32"
 

@@ -49,8 +49,8 @@ from specjax.models.ops import (  # noqa: F401  (the numerics, re-exported)
     dense, matmul, pairwise_max, pairwise_sum, quantize_rows, rms_norm, rope,
 )
 from specjax.models.params import (  # noqa: F401  (the parameters, re-exported)
-    Block, Transformer, module_arrays, param_or_none, abstract_model, flatten_params, init_model, param_bytes, unflatten_params,
-    weight_format,
+    Block, Transformer, module_arrays, param_or_none, abstract_model, flatten_params, init_model, param_bytes, param_shapes,
+    unflatten_params, weight_format,
 )
 from specjax.models.weights import (  # noqa: F401  (the table's functions, re-exported)
     FORMAT_DEFINITION, WEIGHT_FORMATS, Part, WeightSpec, checkpoint_names, fuse, init_weight, layer_weights,

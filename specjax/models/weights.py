@@ -345,6 +345,15 @@ def storage_dtype(fmt: str):
     return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8}[fmt]
 
 
+def param_dtype(spec: WeightSpec, fmt: str):
+    """The dtype weight ``spec`` is stored in, in weight format ``fmt``: a matmul weight in the
+    format's :func:`storage_dtype`; any other (norms, biases) bf16 in ``bfloat16``, else float32.
+    An int8 matmul weight also has a float32 ``<name>_scale`` (:func:`quantize_int8`)."""
+    if spec.quant_axis is not None:
+        return storage_dtype(fmt)
+    return jnp.bfloat16 if fmt == "bfloat16" else jnp.float32
+
+
 def quantize_int8(w, axis: int):
     """Symmetric per-channel int8: ``w ≈ q * scale`` with ``scale = max|w| / 127`` reduced over
     ``axis`` (the input dim). Returns ``(q int8, scale float32 with axis removed)``."""

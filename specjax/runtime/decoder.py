@@ -217,6 +217,8 @@ class Decoder:
       TypeError: a drafter that does not subclass :class:`specjax.core.drafting.Drafter`.
     """
 
+    compiler_options: dict | None = None  # XLA options of every compile (``specjax plan``: fast CPU codegen)
+
     def __init__(self, target, drafter=None, gamma: int = 4, mesh=None, progress=None,
                  prompt_bucket: int = PROMPT_BUCKET, tree_nodes: int | None = None,
                  tree_depth: int | None = None, tree_topk: int | None = None):
@@ -255,7 +257,7 @@ class Decoder:
             from specjax.runtime import sharding
 
             fn = sharding.decode_jit(which, prog, args, self.mesh)
-        compiled = fn.lower(prog, *args).compile()
+        compiled = fn.lower(prog, *args).compile(self.compiler_options)
         self._compiled[key] = compiled
         return compiled, time.perf_counter() - t0
 
