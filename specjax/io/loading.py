@@ -282,10 +282,11 @@ def _config_from_json(d: dict) -> ModelConfig:
 
 def _cached_params(cache, fmt: str):
     """``(cfg, graphdef, params)`` from the cached conversion to ``fmt``, or ``None``: no entry,
-    or one that is unreadable or does not fit (deleted by the cache, one note line)."""
+    or one that is unreadable or does not fit (deleted by the cache, one note line). The shapes
+    are checked from the entry's header; then each tensor is read and placed in turn."""
     box = {}
 
-    def check(meta, arrays):
+    def check(meta, arrays):  # arrays: {name: header with shape and dtype}
         cfg = _config_from_json(meta["config"])
         if repr(cfg) != meta["config_repr"]:
             raise ValueError("the stored config does not read back as written")
@@ -300,12 +301,18 @@ def _cached_params(cache, fmt: str):
                 raise ValueError(f"tensor {n} is {a.dtype}{list(a.shape)}, expected {v.dtype}{list(v.shape)}")
         box.update(cfg=cfg, graphdef=graphdef, abstract=abstract, expected=expected)
 
-    hit = cache.get_params(fmt, check)
+    def take(meta, read):  # one tensor on the host at a time
+        got = {}
+        for n, (p, v) in box["expected"].items():
+            a = read(n)
+            got[p] = jax.device_put(jnp.asarray(a, dtype=v.dtype))
+            del a
+        return got
+
+    hit = cache.get_params(fmt, check, take)
     if hit is None:
         return None
-    _, arrays = hit
-    got = {p: jax.device_put(jnp.asarray(arrays[n], dtype=v.dtype)) for n, (p, v) in box["expected"].items()}
-    return box["cfg"], box["graphdef"], state_of(box["abstract"], got)
+    return box["cfg"], box["graphdef"], state_of(box["abstract"], hit[1])
 
 
 def _store_params(cache, model: Model, source: str) -> None:
