@@ -7,7 +7,8 @@ on a random-weight Llama checkpoint of ≥ 1 B parameters.
 Writes (unless ``--dir`` already holds it) a Llama-3.2-1B-shaped checkpoint (hidden 2048, 16 layers,
 intermediate 8192, 32 heads, 8 KV heads, vocabulary 128256, tied embeddings: 1.236 B parameters) in
 bfloat16 safetensors, 5 shards with a ``model.safetensors.index.json`` and a ``config.json``
-(2.47 GB; random bits from a seeded numpy generator, exponents fixed so values are ±[2^-7, 2^-5)).
+(2.47 GB; windows of a 64 MB pool of random bits from a seeded numpy generator, exponents fixed so
+values are ±[2^-7, 2^-5); norms are ones).
 Then loads it in a FRESH subprocess per case: ``bf16`` and ``int8`` on one device, ``bf16-mesh8`` and
 ``int8-mesh8`` on 8 virtual CPU devices (``XLA_FLAGS=--xla_force_host_platform_device_count=8``,
 ``mesh="data=1,model=8"``). The converted-weights cache is off (``SPECJAX_NO_CACHE=1``) unless
@@ -24,7 +25,8 @@ What is measured, per case (one JSON line each):
   numpy and XLA buffers — on CPU the devices' memory too), sampled every 2 ms by a thread during
   the load; ``base_anon_gb`` the same before the load (Python, jax, the specjax imports);
   ``load_peak_gb`` = ``peak_anon_gb - base_anon_gb``: what the load itself needed at its peak.
-* ``final_anon_gb``: ``RssAnon`` after the load (``load_final_gb`` minus the base);
+* ``final_anon_gb``: ``RssAnon`` after the load (``load_final_gb`` minus the base; ``trimmed_anon_gb``
+  after glibc's ``malloc_trim(0)``, i.e. without freed memory the allocator kept);
   ``model_gb``: the loaded parameters' bytes in their final format (``Model.num_bytes``);
   ``device_gb``: the bytes the devices hold (every addressable shard: replicated tensors count once
   per device); ``seconds``: wall time of ``load_model`` (to every array ready).
@@ -84,21 +86,35 @@ def hf_tensors(cfg: dict) -> list[tuple[str, tuple, str]]:
     return out
 
 
-def _bf16_bits(rng, shape, kind) -> np.ndarray:
-    """uint16 bfloat16 bits: ones, or random signs and mantissas with exponent 120 or 121."""
-    n = int(np.prod(shape))
-    if kind == "ones":
-        return np.full(n, _BF16_ONE, np.uint16)
-    bits = np.frombuffer(rng.bytes(2 * n), np.uint16).copy()
+POOL = 1 << 25  # random bfloat16 values drawn once (64 MB); tensors are windows of it, wrapping around
+
+
+def _random_pool(seed: int) -> np.ndarray:
+    """uint16 bfloat16 bits from a seeded generator: random signs and mantissas, exponent 120 or 121."""
+    bits = np.frombuffer(np.random.default_rng(seed).bytes(2 * POOL), np.uint16).copy()
     bits &= 0x80FF
     bits |= 0x3C00
     return bits
 
 
+def _write_tensor(fh, pool: np.ndarray, n: int, kind: str, start: int) -> int:
+    """Write ``n`` bfloat16 values (ones, or the pool from ``start`` on, wrapping); returns the next start."""
+    if kind == "ones":
+        fh.write(np.full(n, _BF16_ONE, np.uint16).view(np.uint8))
+        return start
+    while n:
+        k = min(n, POOL - start)
+        fh.write(pool[start:start + k].view(np.uint8))
+        n, start = n - k, (start + k) % POOL
+    return (start + 7919) % POOL  # the next tensor starts elsewhere in the pool
+
+
 def write_checkpoint(path: str, cfg: dict = LLAMA_1B, shards: int = 5, seed: int = 0) -> int:
     """Write a random bfloat16 Llama checkpoint of ``cfg`` into the new directory ``path``: ``shards``
-    safetensors files of about equal size (one tensor in memory at a time), their index and
-    ``config.json``. Returns the number of parameters."""
+    safetensors files of about equal size, their index and ``config.json``. The values are windows
+    of one seeded 64 MB pool of random bfloat16 values (:func:`_random_pool`; norms are ones): a
+    load test needs the bytes, not independent draws, and the write is then disk speed. Returns
+    the number of parameters."""
     tensors = hf_tensors(cfg)
     total = sum(2 * int(np.prod(s)) for _, s, _ in tensors)
     groups, cur, size = [], [], 0
@@ -110,7 +126,7 @@ def write_checkpoint(path: str, cfg: dict = LLAMA_1B, shards: int = 5, seed: int
             cur, size = [], 0
     groups.append(cur)
     os.makedirs(path)
-    rng = np.random.default_rng(seed)
+    pool, start = _random_pool(seed), 0
     weight_map = {}
     for k, group in enumerate(groups):
         fname = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
@@ -126,7 +142,7 @@ def write_checkpoint(path: str, cfg: dict = LLAMA_1B, shards: int = 5, seed: int
             fh.write(len(raw).to_bytes(8, "little"))
             fh.write(raw)
             for _, shape, kind in group:
-                fh.write(_bf16_bits(rng, shape, kind).view(np.uint8))
+                start = _write_tensor(fh, pool, int(np.prod(shape)), kind, start)
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as fh:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=1)
     with open(os.path.join(path, "config.json"), "w") as fh:
@@ -183,11 +199,19 @@ def child(path: str, dtype: str, mesh: str | None) -> dict:
         jax.block_until_ready(leaves)
     seconds = time.perf_counter() - t0
     final = _status()["RssAnon"]
+    trimmed = final
+    try:  # what the allocator keeps of freed memory, handed back (glibc)
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        trimmed = _status()["RssAnon"]
+    except (OSError, AttributeError):
+        pass
     held = sum(sh.data.nbytes for x in leaves for sh in x.addressable_shards)
     gb = lambda b: round(b / 1e9, 3)  # noqa: E731
     return dict(dtype=dtype, mesh=mesh, devices=jax.device_count(), seconds=round(seconds, 2),
                 model_gb=gb(model.num_bytes), device_gb=gb(held), base_anon_gb=gb(base), peak_anon_gb=gb(s.peak),
-                load_peak_gb=gb(s.peak - base), final_anon_gb=gb(final), load_final_gb=gb(final - base),
+                load_peak_gb=gb(s.peak - base), final_anon_gb=gb(final), load_final_gb=gb(final - base), trimmed_anon_gb=gb(trimmed),
                 ru_maxrss_gb=gb(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024),
                 vm_hwm_gb=gb(_status()["VmHWM"]))
 
