@@ -90,6 +90,9 @@ def cmd_bench(args) -> int:
             raise UsageError("--gamma auto is not supported by bench; give the values to compare, e.g. --gamma 3 4 5")
         gammas.append(v)
 
+    from specjax.cli.common import check_max_model_len
+
+    check_max_model_len(s)  # against the model's context, before anything is loaded
     prompts = select_prompts(filter_split(collect_prompts(args), args.split), args.categories, args.limit)
     check_writable(args.out)  # before the benchmark runs, not after
     if "auto" in dtypes:  # the fastest format on this host (a one-token step; measured once, cached)
@@ -104,7 +107,7 @@ def cmd_bench(args) -> int:
         prompts, settings, model=s["model"], drafts=drafts, gammas=gammas, trees=[s["tree"]] if s["tree"] else [],
         dtypes=dtypes, draft_dtype=draft_dtype,
         chat=chat, parse_special=s["parse_special"], warmup=args.warmup, mesh=args.mesh,
-        progress=not args.no_progress,
+        progress=not args.no_progress, max_model_len=s["max_model_len"],
     )
     results["fidelity"] = format_fidelity(s["model"], dtypes, no_progress=args.no_progress)
     results["config"]["prompts_file"] = os.path.abspath(args.prompts) if args.prompts else None

@@ -162,19 +162,64 @@ def load_target_and_drafter(s: dict, draft_spec=None, mesh=None, target=None, ca
     :func:`resolve_auto_dtype`). ``cap_note``: say when ``--max-new-tokens`` exceeds the context
     (:func:`note_context_cap`; ``generate`` says it per prompt instead: :func:`note_prompt_caps`)."""
     from specjax.api import load_drafter
-    from specjax.io.loading import load_model
+    from specjax.io.loading import limit_context, load_model
 
+    check_max_model_len(s)  # before any weights are read
     if s.get("dtype") == "auto":
         target = resolve_auto_dtype(s, mesh=mesh)
     else:
         note_unfaithful_format(s)
     if target is None:
         target = load_model(s["model"], dtype=s["dtype"], mesh=mesh)
+    target = _limit(limit_context, target, s.get("max_model_len"))
     spec = s["draft"] if draft_spec is None else draft_spec
     drafter = load_drafter(spec, target, dtype=s["draft_dtype"])
     if cap_note and s.get("max_new_tokens_given", True):
         note_context_cap(s["max_new_tokens"], target, drafter)
     return target, drafter
+
+
+def peek_context(model) -> int | None:
+    """The target's ``max_position_embeddings`` without loading it (a model directory's
+    ``config.json``, a ``.gguf`` file's ``<arch>.context_length``; milliseconds), or ``None``
+    when that is not cheap (a hub id) or the file does not say."""
+    from specjax.io.files import gguf_context_length
+    from specjax.io.loading import DEFAULT_MODEL, default_model_path
+
+    path = default_model_path() if model in (None, DEFAULT_MODEL) else os.path.expanduser(str(model))
+    if path.endswith(".gguf") and os.path.isfile(path):
+        return gguf_context_length(path)
+    cfg = os.path.join(path, "config.json")
+    if os.path.isfile(cfg):
+        try:
+            with open(cfg, encoding="utf-8") as f:
+                v = json.load(f).get("max_position_embeddings", 2048)  # ModelConfig.from_hf_config's default
+        except (OSError, ValueError, AttributeError):
+            return None
+        return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+    return None
+
+
+def check_max_model_len(s: dict) -> None:
+    """``--max-model-len`` against the target's context, read cheaply before loading
+    (:func:`peek_context`; a hub id: checked after the load instead).
+
+    Raises:
+      UsageError: more than the model's context, naming it and the fix."""
+    n = s.get("max_model_len")
+    if n is None:
+        return
+    ctx = peek_context(s.get("model"))
+    if ctx is not None and n > ctx:
+        raise UsageError(f"--max-model-len {n} is more than the {ctx} tokens of the model's context; "
+                         f"use --max-model-len {ctx} or less")
+
+
+def _limit(limit_context, target, n):
+    try:
+        return limit_context(target, n)
+    except ValueError as e:
+        raise UsageError("--" + str(e).replace("max_model_len", "max-model-len", 1)) from None
 
 
 def context_limit(target, drafter=None) -> int:

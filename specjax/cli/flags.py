@@ -62,6 +62,9 @@ def add_model_args(p: argparse.ArgumentParser, multi_draft: bool = False, mesh: 
     p.add_argument("--draft-dtype", default=None, choices=list(DTYPES),
                    help="drafter weight format (default: the target's)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="new tokens per prompt (default 128)")
+    p.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                   help="cap the target's context at N tokens, prompt + new (default: the model's maximum): "
+                        "buffers, KV caches and prompt limits are sized for N")
     add_knob_args(p, sampling_class())
     p.add_argument("--seed", type=int, default=0, help="request seed, an integer in [0, 2**64) (prompt i uses fold_in(key(seed), i); default 0)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
@@ -185,6 +188,7 @@ def resolve(args, default_draft=None, need_draft: str | None = None, tree_with_g
         "dtype": pick("dtype", "float32"),
         "draft_dtype": pick("draft_dtype", None),
         "max_new_tokens": pick("max_new_tokens", 128),
+        "max_model_len": getattr(args, "max_model_len", None),
         "chat": pick("chat", None),  # None: the command's default (generate: the model's template if any)
         "parse_special": bool(pick("parse_special", True)),
         # given by the user (flag or config), not the default: only then is a cap worth a note
@@ -253,6 +257,9 @@ def check_settings(args, s: dict) -> None:
 
     if s["max_new_tokens"] < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {s['max_new_tokens']}")
+    if s.get("max_model_len") is not None and s["max_model_len"] < 2:
+        raise UsageError(f"--max-model-len must be an integer >= 2 (a prompt token and a new one), "
+                         f"got {s['max_model_len']}")
     s["sampling"] = sampling_of(s)
     if getattr(args, "batch_size", 1) < 1:
         raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")

@@ -113,6 +113,7 @@ def run_bench(
     mesh=None,
     progress: bool = True,
     log=None,
+    max_model_len: int | None = None,
 ) -> dict:
     """Run the benchmark; returns ``{"config", "methods", "prompts"}`` (see module docstring).
 
@@ -125,6 +126,7 @@ def run_bench(
       trees: draft tree shapes (:class:`specjax.core.drafting.TreeShape`), each another method
         per drafter (``<drafter>@tree(N..,D..,K..)``; ``gamma`` in its results is the depth D).
       warmup: untimed runs of the first batch per method.
+      max_model_len: cap the target's context at this many tokens (``load_model(max_model_len=)``).
     Raises:
       ValueError: two methods with one name; a drafter that cannot be loaded.
     """
@@ -140,6 +142,7 @@ def run_bench(
     t_all = time.perf_counter()
     run = _Run(prompts, settings, make_batches(prompts, settings.batch_size or len(prompts)))
     run.parse_special = parse_special
+    run.max_model_len = max_model_len
     # disable=None: tqdm shows the bar only when stderr is a terminal (no \r lines in logs)
     bar = tqdm(total=len(run.batches) * len(dtypes) * (1 + len(drafts) * (len(gammas) + len(trees))), desc="bench",
                unit="batch",
@@ -169,6 +172,7 @@ class _Run:
     """The state of one :func:`run_bench`: methods, batch records and per-prompt records."""
 
     parse_special: bool = True  # how the prompt texts are tokenized (api.encode_prompts)
+    max_model_len: int | None = None  # the target's context cap (load_model(max_model_len=))
     chat: bool | None = None  # the chat-template choice the run used
 
     def __init__(self, prompts: list[dict], settings: DecodeSettings, batches: list[list[int]]):
@@ -194,7 +198,7 @@ class _Run:
         from specjax.api import encode_prompts
         from specjax.io.loading import load_model
 
-        target = load_model(model, dtype=dtype)
+        target = load_model(model, dtype=dtype, max_model_len=self.max_model_len)
         self.model_name = target.name
         if chat is None:  # the rule of every command (cli.common.chat_default): the model's template if any
             chat = target.tokenizer is not None and bool(target.tokenizer.chat_template)

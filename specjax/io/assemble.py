@@ -60,7 +60,7 @@ def assemble_params(
             have[part.name] = arr
             if len(have) < len(spec.parts):
                 continue
-            arr = llama.fuse(spec, cfg, [have[q.name] for q in spec.parts])
+            arr = llama.fuse(spec, cfg, [have.pop(q.name) for q in spec.parts])  # the parts go with the fused copy
             del pending[path]
         if path not in expected:
             raise CheckpointError(f"{source}: unexpected tensor {param_path_name(path)} (shape {tuple(arr.shape)}) "
@@ -71,11 +71,14 @@ def assemble_params(
         items = [(path, arr)]
         spec = llama.weight_spec(path[-1])
         if dt == "int8" and spec is not None and spec.quant_axis is not None:  # per-channel int8 + float32 scale
-            q, scale = llama.quantize_int8(arr, axis=spec.quant_axis)
+            q, scale = llama.quantize_int8_blocks(arr, axis=spec.quant_axis)  # no float32 copy of the whole tensor
             items = [(path, q), (path[:-1] + (path[-1] + "_scale",), scale)]
-        for p, a in items:
+        del arr  # the source tensor goes as soon as it is converted (the next one is read after)
+        while items:
+            p, a = items.pop(0)
             a = jnp.asarray(a, dtype=expected[p].dtype)
             got[p] = place(p, a) if place else jax.device_put(a)
+            del a
     missing = []
     for p in expected:
         spec = llama.weight_spec(p[-1])

@@ -237,11 +237,15 @@ class ConversionCache:
         self.note(f"the cached conversion {path} was unreadable ({why}); converted again")
 
     # ---------------------------------------------------------------- parameters
-    def get_params(self, fmt: str, check: Callable[[dict, dict], None]):
-        """``(meta, {name: array})`` of the cached conversion to ``fmt``, or ``None`` (no entry;
-        or an unreadable one: deleted, one note line). ``check(meta, arrays)`` raises
-        ``ValueError`` when the entry does not fit (a tensor missing or mis-shaped): handled the
-        same way."""
+    def get_params(self, fmt: str, check: Callable[[dict, dict], None], take: Callable | None = None):
+        """``(meta, result)`` of the cached conversion to ``fmt``, or ``None`` (no entry; or an
+        unreadable one: deleted, one note line). ``check(meta, headers)`` gets ``{name: header}``
+        (``header.shape``, ``header.dtype``; nothing read yet) and raises ``ValueError`` when the
+        entry does not fit (a tensor missing or mis-shaped): handled the same way. Then
+        ``take(meta, read)`` runs while the file is open, ``read(name)`` giving one tensor as a
+        numpy array, so a caller can place the tensors one at a time (the host never holds the
+        whole entry); its return value is ``result``. Without ``take``, ``result`` is
+        ``{name: numpy array}`` of every tensor."""
         path = self.params_path(fmt)
         if not os.path.exists(path):
             return None
@@ -254,22 +258,19 @@ class ConversionCache:
                 return None
             with f:
                 meta = json.loads(f.metadata()["specjax"])
-                dtypes = meta["dtypes"]
-                arrays = {}
-                for name in f.keys():
-                    a = f.get_tensor(name)
-                    if dtypes.get(name) == "bfloat16":
-                        import jax.numpy as jnp
+                if meta.get("format") != fmt:
+                    raise ValueError(f"holds format {meta.get('format')!r}, not {fmt!r}")
+                bf16 = {n for n, d in meta["dtypes"].items() if d == "bfloat16"}
+                check(meta, {n: _Header(f.get_slice(n), n in bf16) for n in f.keys()})
 
-                        a = a.view(jnp.bfloat16)
-                    arrays[name] = a
-            if meta.get("format") != fmt:
-                raise ValueError(f"holds format {meta.get('format')!r}, not {fmt!r}")
-            check(meta, arrays)
+                def read(name):
+                    a = f.get_tensor(name)
+                    return a.view(_bfloat16()) if name in bf16 else a
+                result = take(meta, read) if take is not None else {n: read(n) for n in f.keys()}
         except Exception as e:  # SafetensorError, OSError, ValueError, KeyError, …: convert again
             self._drop(path, _oneline(e))
             return None
-        return meta, arrays
+        return meta, result
 
     def put_params(self, fmt: str, arrays: dict, meta: dict) -> str | None:
         """Store ``{name: array}`` (numpy-convertible) and ``meta`` (JSON) as the conversion to
@@ -335,6 +336,24 @@ class ConversionCache:
 
 _ST_DTYPES = {"float32": "F32", "float16": "F16", "float64": "F64", "int8": "I8", "uint8": "U8", "int16": "I16",
               "uint16": "U16", "int32": "I32", "uint32": "U32", "int64": "I64", "uint64": "U64", "bool": "BOOL"}
+
+
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+
+
+class _Header:
+    """A stored tensor's ``shape`` and ``dtype`` (numpy; bfloat16 for a bfloat16 tensor) from its
+    safetensors header, without reading it."""
+
+    def __init__(self, sl, bf16: bool):
+        self.shape = tuple(int(d) for d in sl.get_shape())
+        self.dtype = _bfloat16() if bf16 else np.dtype(_ST_NAMES[sl.get_dtype()])
+
+
+def _bfloat16():
+    import jax.numpy as jnp
+
+    return np.dtype(jnp.bfloat16)
 
 
 def _write_safetensors(path: str, arrays: dict, metadata: dict) -> None:

@@ -90,6 +90,18 @@ def gguf_vocab_size(path: str) -> int | None:
     """The vocabulary size of a GGUF file from the start of its metadata (``<arch>.vocab_size``,
     else the length of ``tokenizer.ggml.tokens``) without reading the vocabulary or any tensor
     (milliseconds; opening the file with ``gguf`` takes seconds). ``None`` when it cannot tell."""
+    return _gguf_int(path, ".vocab_size", tokens=True)
+
+
+def gguf_context_length(path: str) -> int | None:
+    """A GGUF file's ``<arch>.context_length`` (the model's ``max_position_embeddings``) read
+    as :func:`gguf_vocab_size` reads the vocabulary size; ``None`` when it cannot tell."""
+    return _gguf_int(path, ".context_length", tokens=False)
+
+
+def _gguf_int(path: str, suffix: str, tokens: bool) -> int | None:
+    """The first integer metadata value whose key ends with ``suffix`` (``tokens``: or the length
+    of ``tokenizer.ggml.tokens``, if that comes first); ``None`` when not found or unreadable."""
     import struct
 
     try:
@@ -116,11 +128,11 @@ def gguf_vocab_size(path: str) -> int | None:
                 key, vtype = string(), read("<I")
                 if vtype == 9:  # array: item type, count, items
                     itype, n = read("<I"), read("<Q")
-                    if key == "tokenizer.ggml.tokens":
+                    if tokens and key == "tokenizer.ggml.tokens":
                         return int(n)
                     if itype in _GGUF_SIZES:
                         f.seek(n * _GGUF_SIZES[itype], 1)
-                    elif itype == 8 and n <= 4096:  # a short list of strings (general.languages, …)
+                    elif itype == 8 and (n <= 4096 or not tokens):  # strings (general.languages, the vocabulary)
                         for _ in range(n):
                             f.seek(read("<Q"), 1)
                     else:
@@ -128,7 +140,7 @@ def gguf_vocab_size(path: str) -> int | None:
                 elif vtype == 8:
                     string()
                 elif vtype in _GGUF_SIZES:
-                    if key.endswith(".vocab_size") and vtype in _GGUF_INTS:
+                    if key.endswith(suffix) and vtype in _GGUF_INTS:
                         return int(read(_GGUF_INTS[vtype]))
                     f.seek(_GGUF_SIZES[vtype], 1)
                 else:

@@ -74,7 +74,9 @@ def safetensor_files(path: str) -> list[str]:
 
 
 def iter_hf_tensors(path: str, cfg: ModelConfig):
-    """Yield ``(specjax path, array in specjax layout)`` from the safetensors files in ``path``."""
+    """Yield ``(specjax path, array in specjax layout)`` from the safetensors files in ``path``, one
+    tensor at a time: each is read when asked for, and this generator drops its reference before
+    reading the next (a consumer that does too holds one source tensor at a time)."""
     from safetensors import safe_open
 
     names = llama.checkpoint_names(cfg, "hf")
@@ -89,7 +91,10 @@ def iter_hf_tensors(path: str, cfg: ModelConfig):
                     t = f.get_tensor(name)
                     if offset:  # as the model adds it: in float32 (transformers' (1.0 + w.float()))
                         t = t.astype("float32") + offset
-                    yield p, (t.T if tr else t)
+                    if tr:
+                        t = t.T
+                    yield p, t
+                    del t  # not held while the next tensor is read
         except CheckpointError:
             raise
         except Exception as e:  # safetensors.SafetensorError, or an OSError from the mmap

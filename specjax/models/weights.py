@@ -364,6 +364,41 @@ def quantize_int8(w, axis: int):
     return q, scale.astype(jnp.float32)
 
 
+QUANT_BLOCK_ELEMS = 1 << 24  # elements per block of quantize_int8_blocks (64 MB as float32)
+# one fused program per block shape: ~3x faster than quantize_int8's ops one by one, the same values
+_quantize_int8_jit = jax.jit(quantize_int8, static_argnums=1)
+
+
+def quantize_int8_blocks(w, axis: int, block_elems: int = QUANT_BLOCK_ELEMS) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`quantize_int8` of a concrete array (numpy or jax, any float dtype) without its float32
+    copy of the whole tensor: channels are quantized independently, so the tensor is cut along its
+    largest other axis into blocks of about ``block_elems`` elements, each quantized by
+    :func:`quantize_int8` (jitted) and written into the result (the same values bit for bit). Host memory
+    beyond ``w`` and the result: a few float32 blocks (~64 MB each by default).
+
+    Returns:
+      ``(q, scale)`` as numpy arrays: ``q`` int8 of ``w.shape``, ``scale`` float32 of ``w.shape``
+      without ``axis``.
+    """
+    shape = tuple(w.shape)
+    axis %= len(shape)
+    n = int(np.prod(shape))
+    if len(shape) < 2 or n <= block_elems:
+        q, scale = _quantize_int8_jit(w, axis)
+        return np.asarray(q), np.asarray(scale)
+    cut = max((a for a in range(len(shape)) if a != axis), key=lambda a: shape[a])
+    step = max(1, block_elems * shape[cut] // n)
+    q = np.empty(shape, np.int8)
+    scale = np.empty(shape[:axis] + shape[axis + 1:], np.float32)
+    for start in range(0, shape[cut], step):
+        idx = [slice(None)] * len(shape)
+        idx[cut] = slice(start, start + step)
+        qb, sb = _quantize_int8_jit(w[tuple(idx)], axis)
+        q[tuple(idx)] = np.asarray(qb)
+        scale[tuple(idx[:axis] + idx[axis + 1:])] = np.asarray(sb)
+    return q, scale
+
+
 def init_weight(spec: WeightSpec, cfg: ModelConfig, next_key: Callable[[], jax.Array] | None = None) -> jax.Array:
     """A float32 weight of ``spec.shape(cfg)`` initialised per ``spec.init``: N(0, 0.02), one
     key from ``next_key()`` per checkpoint tensor (each part drawn in its own shape, then fused
