@@ -146,6 +146,7 @@ def set_speculate(state, speculate):
 _insert_jit = jax.jit(insert_row, donate_argnums=0)
 _end_jit = jax.jit(end_rows, donate_argnums=0)
 _speculate_jit = jax.jit(set_speculate, donate_argnums=0)
+_row_jit = jax.jit(lambda tree, i: jax.tree_util.tree_map(lambda x: x[i], tree))  # one row (a traced index: one program)
 
 
 def _check_int(name, v, lo, hi=None):
@@ -479,15 +480,15 @@ class Engine:
             return []
         lengths, done = np.asarray(st.lengths), np.asarray(st.done)
         toks = np.asarray(st.tokens)
-        lp = None
-        if st.logprobs is not None and any(r.req.logprobs is not None for r in self._slots.values()):
-            lp = jax.tree_util.tree_map(np.asarray, st.logprobs)
         out = []
         for slot in sorted(self._slots):
             r = self._slots[slot]
             end = int(lengths[slot])
             new = toks[slot, r.reported: end].tolist()
-            lps = None if r.req.logprobs is None else self._logprobs(lp, slot, r.reported, end, new, r.req.logprobs)
+            lps = None
+            if r.req.logprobs is not None:  # this row's buffers only ([L, N] each), not every slot's
+                lp = jax.tree_util.tree_map(np.asarray, _row_jit(st.logprobs, jnp.int32(slot)))
+                lps = self._logprobs(lp, r.reported, end, new, r.req.logprobs)
             r.reported = end
             if not (done[slot] or slot in cancelled):
                 out.append(Update(r.rid, new, lps, None, None, r.seed))
@@ -499,11 +500,11 @@ class Engine:
         return out
 
     @staticmethod
-    def _logprobs(lp, slot, a, b, new, top):
-        """Per new token ``{"id", "logprob", "top"}`` from the host log-probability buffers."""
+    def _logprobs(lp, a, b, new, top):
+        """Per new token ``{"id", "logprob", "top"}`` from one row's host log-probability buffers."""
         return [{"id": int(t), "logprob": float(v),
                  "top": [(int(j), float(x)) for j, x in zip(ids[:top], vals[:top]) if np.isfinite(x)]}
-                for t, v, ids, vals in zip(new, lp.token[slot, a:b], lp.top_ids[slot, a:b], lp.top_logprobs[slot, a:b])]
+                for t, v, ids, vals in zip(new, lp.token[a:b], lp.top_ids[a:b], lp.top_logprobs[a:b])]
 
     def _final_stats(self, st, slot, toks, lengths) -> RowStats:
         """The row's :class:`RowStats` through :func:`host_result` (the one definition) on a
