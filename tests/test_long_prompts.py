@@ -46,8 +46,14 @@ def test_chunked_prefill_is_the_full_forward(model):
         np.testing.assert_allclose(np.asarray(a[:, :, :p]), np.asarray(b[:, :, :p]), atol=1e-5)
 
 
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
 @pytest.mark.parametrize("tree", [None, (6, 3, 2)], ids=["chain", "tree"])
-def test_long_prompt_speculative_equals_autoregressive_and_batch_invariant(model, tree):
+def test_long_prompt_speculative_equals_autoregressive_and_batch_invariant(model, tree, fmt):
+    """Every weight format (the gate: every offered format, chain and tree, prompts of 100 and 3,000+
+    tokens): greedy speculative == autoregressive, a row alone == the same row in the batch."""
+    from specjax.io.loading import convert_model
+
+    model = model if fmt == "float32" else convert_model(model, fmt)
     prompts = [_prompt(LONG, 2), _prompt(100, 3), _prompt(LONG + 40, 4)]
     ar = Decoder(model).generate(prompts, max_new_tokens=24, eos_ids=[]).tokens
     kw = {} if tree is None else dict(tree_nodes=tree[0], tree_depth=tree[1], tree_topk=tree[2])
