@@ -53,8 +53,15 @@ def _chunk_forward(prog: Program, tparams, prompt, cache, i):
     u, c = prompt.shape[0], PREFILL_CHUNK
     toks = jax.lax.dynamic_slice_in_dim(prompt, i * c, c, axis=1)
     pos = jnp.broadcast_to(i * c + jnp.arange(c, dtype=jnp.int32), (u, c))
-    span = c if SKIP_MASKED_KEYS else None
+    span = c if SKIP_MASKED_KEYS and _valid_span(c) else None
     return llama.forward(prog.graphdef, tparams, toks, pos, cache, prog.cfg, key_span=span, **prog.feature_args)
+
+
+def _valid_span(c: int) -> bool:
+    """Whether a chunk of ``c`` tokens can be the key span of ``llama.forward(key_span=)``:
+    ``ATTENTION_BLOCK`` times a power of two (other chunk sizes, e.g. tests' small ones, read the buffer)."""
+    r = c // llama.ATTENTION_BLOCK
+    return c % llama.ATTENTION_BLOCK == 0 and r > 0 and r & (r - 1) == 0
 
 
 def prompt_chunk(prog: Program, tparams, prompt, cache, hidden, i):
