@@ -87,18 +87,14 @@ def decoder_block(
         (``positions[:, 0] + arange(T)``) and the query at position t sees slots ≤ t. With
         ``tree_mask``: ``positions[:, j] = positions[:, 0] + depth_j`` (token 0 = the root,
         depth 0), so slot ≠ position for a tree.
-      k_cache, v_cache: ``[B, KV, S, hd]`` this block's cache arrays (any float dtype).
-      cfg: heads, head_dim, RoPE and RMSNorm epsilon.
-      inv_freq: this block's RoPE frequencies ``[hd/2]`` (default ``cfg.rope_inv_freq()``; a model
-        with per-layer RoPE passes ``cfg.layer_inv_freq(i)``).
-      window: this block's sliding window W (``cfg.layer_window(i)``; ``None``: global attention).
-      kv_view: attend over the first ``kv_view`` cache slots only (a static int; ``None``: all
-        ``S``). Every query's visible slots must lie inside it; then the result is the full
-        cache's, bit for bit (the slots beyond are masked, i.e. exact zeros in the fixed-order
-        sums of :func:`cache_attention`), at a cost that follows the view, not the buffer.
-      key_span: causal calls (no ``tree_mask``): read the cache in spans of this many slots (a static
-        int; ``ATTENTION_BLOCK`` times a power of two) and skip the spans no query sees (the prefill
-        of a long prompt, chunk by chunk: :func:`cache_attention`); the result is unchanged, bit for bit.
+      k_cache, v_cache: ``[B, KV, S, hd]`` this block's cache arrays (any float dtype); cfg: the config.
+      inv_freq, window: this block's RoPE frequencies ``[hd/2]`` (default ``cfg.rope_inv_freq()``;
+        ``cfg.layer_inv_freq(i)``) and sliding window W (``cfg.layer_window(i)``; ``None``: global).
+      kv_view: attend over the first ``kv_view`` cache slots only (static; ``None``: all ``S``); every
+        query's visible slots must lie inside it. ``key_span`` (static, causal calls): read the cache
+        in spans of that many slots and skip those no query sees (:func:`cache_attention`; a long
+        prompt's prefill chunks). Either way the result is the full cache's, bit for bit (the skipped
+        slots were exact zeros in the fixed-order sums), at a cost that follows what is read.
       tree_mask: ``None`` (causal attention, as above), or bool ``[B, T, T]`` for tree attention
         (SpecInfer, Miao et al. 2024, "tree-based parallel decoding"; EAGLE-2, Li et al. 2024):
         token j sees the committed prefix (slots < ``positions[:, 0]``) and the new tokens i with
@@ -114,9 +110,7 @@ def decoder_block(
     """
     b, t = h.shape[:2]
     hd = cfg.head_dim
-    if inv_freq is None:
-        inv_freq = cfg.rope_inv_freq()
-    inv_freq = jnp.asarray(inv_freq)
+    inv_freq = jnp.asarray(cfg.rope_inv_freq() if inv_freq is None else inv_freq)
     starts = positions[:, 0]
 
     def lin(x, name, bias=None):
