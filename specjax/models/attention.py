@@ -265,7 +265,74 @@ def _tree_window(scores, v_cache, positions, tree_mask, blk: int, dt, window: in
     return _TreeWindow(outside, sw, vw, w0, (b, t, g))
 
 
-def cache_attention(q, k_cache, v_cache, positions, cfg: ModelConfig, tree_mask=None, window: int | None = None):
+def _block_scores(qg, kb, dt, cfg: ModelConfig, out: str = "bknms"):
+    """Scores of the queries ``qg [B, KV, M, hd]`` against the key blocks ``kb [B, KV, N, blk, hd]``:
+    float32 ``[B, KV, N, M, blk]`` (``out="bkmns"``: ``[B, KV, M, N, blk]``, the dot's own order, no
+    transpose; the same values), scaled and soft-capped (one dot over ``hd`` each, inputs in ``dt``)."""
+    scores = jnp.einsum("bkmd,bknsd->" + out, qg.astype(dt), kb.astype(dt),
+                        preferred_element_type=jnp.float32) * cfg.attention_scale()
+    if cfg.attn_logit_softcapping is not None:
+        cap = cfg.attn_logit_softcapping
+        scores = jnp.tanh(scores / cap) * cap
+    return scores
+
+
+def _span_attention(qg, k_cache, v_cache, qpos, positions, cfg: ModelConfig, span: int, dt, window=None):
+    """Causal attention that reads only the key spans a query can see (``key_span`` of
+    :func:`cache_attention`): float32 ``[B, KV, M, hd]`` for ``qg [B, KV, M, hd]`` (M = G·T, row
+    ``g·T + j``) at positions ``qpos [B, 1, 1, M, 1]``, over ``k_cache``/``v_cache [B, KV, S, hd]``.
+
+    The cache is cut into spans of ``span`` slots (``span / ATTENTION_BLOCK`` blocks, a power of two);
+    two loops over the spans ``lo .. n - 1`` that hold a visible slot (``n`` from the largest position,
+    ``lo`` from a sliding ``window``) compute, per span, the same block scores, mask and ``exp`` as the
+    whole-cache computation: the first the exact maximum, the second each span's softmax and value sums
+    over its blocks (the first levels of the blocks' :func:`pairwise_sum`, whose pairs never cross an
+    aligned power-of-two group). The span sums go into a zero ``[.., S // span, ..]`` array whose
+    :func:`pairwise_sum` is then the whole cache's (the skipped spans are exact zeros there), so the
+    output equals the whole cache's bit for bit, at a cost that follows the visible keys (a prefill
+    chunk of a long prompt: its own and the earlier chunks). The scores are computed twice (once per
+    loop) rather than stored: no ``[S, M]`` array at all; they stay in the dot's ``[.., M, blocks,
+    blk]`` order (the sums and maxima per query are the same, the transpose is gone: 35 % faster).
+    """
+    b, kv, m, hd = qg.shape
+    blk = ATTENTION_BLOCK
+    per, nsp = span // blk, k_cache.shape[2] // span
+    assert span % blk == 0 and per & (per - 1) == 0 and nsp >= 1, (span, k_cache.shape)
+    n = jnp.minimum(jnp.max(positions) // span + 1, nsp)
+    lo = 0 if window is None else jnp.clip((jnp.min(positions) - window + 1) // span, 0, n)
+    qpos = qpos.reshape(b, 1, m, 1, 1)
+
+    def span_scores(j):
+        ks = jax.lax.dynamic_slice_in_dim(k_cache, j * span, span, axis=2).reshape(b, kv, per, blk, hd)
+        slots = (j * span + jnp.arange(span, dtype=jnp.int32)).reshape(1, 1, 1, per, blk)
+        visible = slots <= qpos  # [B, 1, M, per, blk]
+        if window is not None:
+            visible = visible & (slots > qpos - window)
+        return jnp.where(visible, _block_scores(qg, ks, dt, cfg, "bkmns"), -jnp.inf), visible
+
+    def span_max(j, mx):
+        return jnp.maximum(mx, pairwise_max(pairwise_max(span_scores(j)[0], axis=-1), axis=-1)[..., None, None])
+
+    mx = jax.lax.fori_loop(lo, n, span_max, jnp.full((b, kv, m, 1, 1), -jnp.inf, jnp.float32))
+
+    def span_sums(j, acc):
+        sums, part = acc
+        scores, visible = span_scores(j)
+        e = jnp.where(visible, jnp.exp(scores - mx), 0.0).astype(dt)
+        vs = jax.lax.dynamic_slice_in_dim(v_cache, j * span, span, axis=2).reshape(b, kv, per, blk, hd)
+        s_j = pairwise_sum(pairwise_sum(e.astype(jnp.float32), axis=-1), axis=-1)  # [B, KV, M]
+        p_j = pairwise_sum(jnp.einsum("bkmns,bknsd->bknmd", e, vs.astype(dt), preferred_element_type=jnp.float32),
+                           axis=2)  # [B, KV, M, hd]
+        return (jax.lax.dynamic_update_index_in_dim(sums, s_j, j, axis=2),
+                jax.lax.dynamic_update_index_in_dim(part, p_j, j, axis=2))
+
+    sums, part = jax.lax.fori_loop(lo, n, span_sums, (jnp.zeros((b, kv, nsp, m), jnp.float32),
+                                                       jnp.zeros((b, kv, nsp, m, hd), jnp.float32)))
+    return pairwise_sum(part, axis=2) / pairwise_sum(sums, axis=2)[..., None]
+
+
+def cache_attention(q, k_cache, v_cache, positions, cfg: ModelConfig, tree_mask=None, window: int | None = None,
+                    key_span: int | None = None):
     """Causal GQA attention of ``q [B, T, H, hd]`` over this row's cache ``[B, KV, S, hd]``:
     the query at position t sees slots ≤ t (and with a sliding ``window`` W only slots > t − W,
     transformers' rule; a tree node's window counts from its own position). Scores are scaled by
@@ -287,6 +354,12 @@ def cache_attention(q, k_cache, v_cache, positions, cfg: ModelConfig, tree_mask=
     exact in float32, and XLA CPU's kernel sums them in an order that does not depend on the
     number of rows: measured, and checked by tests/test_batch_invariance.py); in float32 they are
     float32 dots, whose kernels do round differently for different row counts (≈ 1e-6).
+
+    ``key_span`` (causal calls only; a static multiple of :data:`ATTENTION_BLOCK` by a power of two,
+    the prefill's chunk): read only the spans of ``key_span`` slots that hold a visible slot, and skip
+    the rest, which a causal chunk of a long prompt cannot see (:func:`_span_attention`; the result is
+    the whole cache's, bit for bit). Every visible slot must lie in the cache's first
+    ``(S // key_span) · key_span`` slots.
     """
     b, t, h, hd = q.shape
     kv, s = cfg.num_kv_heads, k_cache.shape[2]
@@ -298,15 +371,14 @@ def cache_attention(q, k_cache, v_cache, positions, cfg: ModelConfig, tree_mask=
     nb = (s + pad) // blk
     dt = jnp.float32 if k_cache.dtype == jnp.float32 and q.dtype == jnp.float32 else jnp.bfloat16
     qg = q.reshape(b, t, kv, h // kv, hd).transpose(0, 2, 3, 1, 4).reshape(b, kv, (h // kv) * t, hd)
+    qpos = jnp.broadcast_to(positions[:, None, :], (b, h // kv, t)).reshape(b, 1, 1, (h // kv) * t, 1)
+    if key_span is not None and tree_mask is None:
+        return _span_attention(qg, k_cache, v_cache, qpos, positions, cfg, key_span, dt, window).reshape(
+            b, kv, h // kv, t, hd).transpose(0, 3, 1, 2, 4).reshape(b, t, h * hd)
     kb = k_cache.reshape(b, kv, nb, blk, hd)
     vb = v_cache.reshape(b, kv, nb, blk, hd)
-    scores = jnp.einsum("bkmd,bknsd->bknms", qg.astype(dt), kb.astype(dt),
-                        preferred_element_type=jnp.float32) * cfg.attention_scale()
-    if cfg.attn_logit_softcapping is not None:
-        cap = cfg.attn_logit_softcapping
-        scores = jnp.tanh(scores / cap) * cap
+    scores = _block_scores(qg, kb, dt, cfg)
     slots = jnp.arange(nb * blk, dtype=jnp.int32).reshape(nb, 1, blk)
-    qpos = jnp.broadcast_to(positions[:, None, :], (b, h // kv, t)).reshape(b, 1, 1, (h // kv) * t, 1)
     tw = None
     if tree_mask is None:
         visible = slots[None, None] <= qpos  # [B, 1, NB, G·T, blk]

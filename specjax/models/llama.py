@@ -69,6 +69,7 @@ def decoder_block(
     tree_mask: Bool[Array, "batch seq seq"] | None = None,
     window: int | None = None,
     kv_view: int | None = None,
+    key_span: int | None = None,
 ) -> tuple[Float[Array, "batch seq hidden"], jax.Array, jax.Array]:
     """One decoder block (pre-norm GQA attention with RoPE, then SwiGLU MLP; Gemma: GeGLU and the
     sandwich norms ``attn_post_norm`` / ``mlp_post_norm`` after each sub-layer) on the residual
@@ -86,15 +87,14 @@ def decoder_block(
         (``positions[:, 0] + arange(T)``) and the query at position t sees slots ≤ t. With
         ``tree_mask``: ``positions[:, j] = positions[:, 0] + depth_j`` (token 0 = the root,
         depth 0), so slot ≠ position for a tree.
-      k_cache, v_cache: ``[B, KV, S, hd]`` this block's cache arrays (any float dtype).
-      cfg: heads, head_dim, RoPE and RMSNorm epsilon.
-      inv_freq: this block's RoPE frequencies ``[hd/2]`` (default ``cfg.rope_inv_freq()``; a model
-        with per-layer RoPE passes ``cfg.layer_inv_freq(i)``).
-      window: this block's sliding window W (``cfg.layer_window(i)``; ``None``: global attention).
-      kv_view: attend over the first ``kv_view`` cache slots only (a static int; ``None``: all
-        ``S``). Every query's visible slots must lie inside it; then the result is the full
-        cache's, bit for bit (the slots beyond are masked, i.e. exact zeros in the fixed-order
-        sums of :func:`cache_attention`), at a cost that follows the view, not the buffer.
+      k_cache, v_cache: ``[B, KV, S, hd]`` this block's cache arrays (any float dtype); cfg: the config.
+      inv_freq, window: this block's RoPE frequencies ``[hd/2]`` (default ``cfg.rope_inv_freq()``;
+        ``cfg.layer_inv_freq(i)``) and sliding window W (``cfg.layer_window(i)``; ``None``: global).
+      kv_view: attend over the first ``kv_view`` cache slots only (static; ``None``: all ``S``); every
+        query's visible slots must lie inside it. ``key_span`` (static, causal calls): read the cache
+        in spans of that many slots and skip those no query sees (:func:`cache_attention`; a long
+        prompt's prefill chunks). Either way the result is the full cache's, bit for bit (the skipped
+        slots were exact zeros in the fixed-order sums), at a cost that follows what is read.
       tree_mask: ``None`` (causal attention, as above), or bool ``[B, T, T]`` for tree attention
         (SpecInfer, Miao et al. 2024, "tree-based parallel decoding"; EAGLE-2, Li et al. 2024):
         token j sees the committed prefix (slots < ``positions[:, 0]``) and the new tokens i with
@@ -110,9 +110,7 @@ def decoder_block(
     """
     b, t = h.shape[:2]
     hd = cfg.head_dim
-    if inv_freq is None:
-        inv_freq = cfg.rope_inv_freq()
-    inv_freq = jnp.asarray(inv_freq)
+    inv_freq = jnp.asarray(cfg.rope_inv_freq() if inv_freq is None else inv_freq)
     starts = positions[:, 0]
 
     def lin(x, name, bias=None):
@@ -132,7 +130,7 @@ def decoder_block(
     vc = write_kv(v_cache, v.transpose(0, 2, 1, 3), starts)
     ka, va = (kc, vc) if kv_view is None else (kc[:, :, :kv_view], vc[:, :, :kv_view])
     a = cache_attention(q if p["w_qkv"].dtype == jnp.float32 else q.astype(jnp.bfloat16), ka, va, positions, cfg,
-                        tree_mask=tree_mask, window=window)
+                        tree_mask=tree_mask, window=window, key_span=key_span)
     h = h + _post_norm(lin(a, "wo", "bo"), p, "attn_post_norm", cfg)
     x = rms_norm(h, p["mlp_norm"], cfg.rms_norm_eps)
     gate_up = lin(x, "w_gate_up")  # [B, T, 2, F]
@@ -163,6 +161,7 @@ def forward(
     feature_layers: tuple[int, ...] = (),
     raw_features: bool = False,
     kv_view: int | None = None,
+    key_span: int | None = None,
 ) -> tuple[Float[Array, "batch seq hidden"], KVCache]:
     """Run the decoder blocks and final norm; write K/V of ``tokens`` into ``cache``.
 
@@ -179,13 +178,14 @@ def forward(
       feature_layers: with block indices, return :func:`target_features` of those blocks
         instead of the final hidden state (EAGLE-3's fused low/mid/high features); ``raw_features``:
         those block outputs unnormalized (:func:`target_features` with ``raw``).
+      kv_view, key_span: read part of the cache only (:func:`decoder_block`); the result is unchanged.
 
     Returns:
       ``(hidden [B, T, D] float32 after the final RMSNorm, updated cache)``; with
       ``feature_layers``: ``(features [B, T, len(feature_layers)·D], updated cache)``.
     """
     h, cache, feats = run_blocks(graphdef, params, tokens, positions, cache, cfg, tree_mask, feature_layers,
-                                 raw_features, kv_view)
+                                 raw_features, kv_view, key_span)
     return (feats if feature_layers else h), cache
 
 
@@ -214,9 +214,10 @@ def check_feature_layers(feature_layers, cfg: ModelConfig) -> tuple[int, ...]:
 
 
 def run_blocks(graphdef, params, tokens, positions, cache, cfg, tree_mask=None, feature_layers=(), raw_features=False,
-               kv_view=None):
+               kv_view=None, key_span=None):
     """The blocks and final norm: ``(final hidden [B, T, D], cache, fused features or None)`` (:func:`forward`;
-    ``raw_features``: the features unnormalized, :func:`target_features`; ``kv_view``: :func:`decoder_block`)."""
+    ``raw_features``: the features unnormalized, :func:`target_features`; ``kv_view``, ``key_span``:
+    :func:`decoder_block`)."""
     model = nnx.merge(graphdef, params)
     inv_freq = {}  # per distinct RoPE (one, or a global and a local one)
     h = embed_tokens(model, tokens, cfg)
@@ -225,7 +226,8 @@ def run_blocks(graphdef, params, tokens, positions, cache, cfg, tree_mask=None, 
         freq = cfg.layer_inv_freq(i)
         inv = inv_freq.setdefault(freq.tobytes(), jnp.asarray(freq))
         h, kc, vc = decoder_block(module_arrays(layer), h, positions, cache.k[i], cache.v[i], cfg, inv_freq=inv,
-                                  tree_mask=tree_mask, window=cfg.layer_window(i), kv_view=kv_view)
+                                  tree_mask=tree_mask, window=cfg.layer_window(i), kv_view=kv_view,
+                                  key_span=key_span)
         new_k.append(kc)
         new_v.append(vc)
         if i in feature_layers:

@@ -19,6 +19,9 @@ from specjax.runtime.loop import DecodeState, Logprobs, Program, Stats
 
 
 PREFILL_CHUNK = 512  # prompt tokens per target call of the prefill: longer prompts go in chunks of this many
+# Each chunk reads only the key spans of PREFILL_CHUNK slots it can see (its own and the earlier chunks';
+# llama.forward's key_span): False reads the whole buffer every chunk, as before (benchmarks, tests).
+SKIP_MASKED_KEYS = True
 
 
 def prompt_forward(prog: Program, tparams, prompt, cache):
@@ -26,7 +29,9 @@ def prompt_forward(prog: Program, tparams, prompt, cache):
     cache with the prompt's K/V)``. A prompt longer than :data:`PREFILL_CHUNK` (whose bucket is a
     multiple of it) runs as a ``lax.scan`` of chunk-sized causal calls, each writing its K/V before
     the next attends to them: the score matrix of one call is ``chunk × buffer`` instead of
-    ``P × buffer`` (memory linear in the prompt), each query's causal attention unchanged. Prompts of
+    ``P × buffer`` (memory linear in the prompt), each query's causal attention unchanged. Chunk i
+    reads only the first ``(i + 1) · chunk`` cache slots (:data:`SKIP_MASKED_KEYS`; bit for bit the
+    whole buffer's result, at about half its attention cost over a prompt). Prompts of
     ≤ :data:`PREFILL_CHUNK` tokens run as one call, as before."""
     u, p = prompt.shape
     c = PREFILL_CHUNK
@@ -48,7 +53,15 @@ def _chunk_forward(prog: Program, tparams, prompt, cache, i):
     u, c = prompt.shape[0], PREFILL_CHUNK
     toks = jax.lax.dynamic_slice_in_dim(prompt, i * c, c, axis=1)
     pos = jnp.broadcast_to(i * c + jnp.arange(c, dtype=jnp.int32), (u, c))
-    return llama.forward(prog.graphdef, tparams, toks, pos, cache, prog.cfg, **prog.feature_args)
+    span = c if SKIP_MASKED_KEYS and _valid_span(c) else None
+    return llama.forward(prog.graphdef, tparams, toks, pos, cache, prog.cfg, key_span=span, **prog.feature_args)
+
+
+def _valid_span(c: int) -> bool:
+    """Whether a chunk of ``c`` tokens can be the key span of ``llama.forward(key_span=)``:
+    ``ATTENTION_BLOCK`` times a power of two (other chunk sizes, e.g. tests' small ones, read the buffer)."""
+    r = c // llama.ATTENTION_BLOCK
+    return c % llama.ATTENTION_BLOCK == 0 and r > 0 and r & (r - 1) == 0
 
 
 def prompt_chunk(prog: Program, tparams, prompt, cache, hidden, i):
