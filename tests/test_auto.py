@@ -514,12 +514,14 @@ def test_alpha_continuation_stays_inside_the_context():
 
 def test_dtype_auto_predicts_float32_for_the_default_model_on_a_cpu(tmp_path, monkeypatch):
     """``predict=True`` (generate): the default model on a CPU runs float32 (faithful by
-    construction) without measuring, until this host has cached the fidelity of every candidate
+    construction; bfloat16 on GPU/TPU) without measuring, until this host has cached the fidelity of every candidate
     and the speed of the faithful ones; then the cached measurement wins; other models measure."""
     x86 = {"backend": "cpu", "machine": "x86_64", "cpu_flags": ["avx", "avx2"]}
     assert measure.predicted_format(["float32", "bfloat16", "int8"], "default", x86)[0] == "float32"
     assert measure.predicted_format(["float32", "bfloat16", "int8"], None, dict(x86, machine="aarch64"))[0] == "float32"
-    assert measure.predicted_format(["float32", "bfloat16", "int8"], None, dict(x86, backend="gpu")) is None
+    assert measure.predicted_format(["float32", "bfloat16", "int8"], None, dict(x86, backend="gpu"))[0] == "bfloat16"
+    assert measure.predicted_format(["float32", "bfloat16", "int8"], None, dict(x86, backend="tpu"))[0] == "bfloat16"
+    assert measure.predicted_format(["float32", "int8"], None, dict(x86, backend="gpu")) is None
     assert measure.predicted_format(["float32", "int8"], "some/other-model", x86) is None
 
     monkeypatch.setattr(hostcache, "host_fingerprint", lambda: dict(x86))
