@@ -281,13 +281,18 @@ def test_auto_speculation_measures_both_programs_and_keeps_tokens():
     for j, r in enumerate(reqs):
         assert out[j][0] == _alone(dec, r).tokens[0], j
     auto = eng._auto
-    assert auto.spec and auto.plain_rate and set(auto.spec) == set(auto.plain_rate)
-    # the choice: faster program, probes of the other
-    a = AutoSpeculation(spec={None: 1.0}, plain_rate={None: 2.0})
+    assert auto.t_spec and auto.t_plain and set(auto.t_spec) == set(auto.t_plain)
+    assert 1.0 <= auto.tau <= 1 + dec.gamma
+    # the choice: τ / t_spec vs 1 / t_plain, the faster program with probes of the other
+    a = AutoSpeculation(t_spec={None: 0.2}, t_plain={None: 0.1}, tau=1.5)  # plain: 10 vs 7.5 tokens/s
     picks = []
     for _ in range(2 * PROBE_SPEC):
         picks.append(a.plain(None))
-        a.record(picks[-1], None, 10, 1, 10.0 if picks[-1] else 20.0)
+        a.record(picks[-1], None, 0.4 if picks[-1] else 0.8, 4, 6, 4)  # the same costs and τ again
     assert picks.count(False) == 2 and all(picks[:PROBE_SPEC - 1])
+    b = AutoSpeculation(t_spec={None: 0.2}, t_plain={None: 0.1}, tau=2.5)  # speculation: 12.5 vs 10 tokens/s
+    assert not b.plain(None) and not b.plain(256)  # another view: its speculative program is measured first,
+    b.record(False, 256, 0.6, 4, 10, 4)
+    assert b.plain(256)  # then its plain one
     with pytest.raises(ValueError, match="speculation must be one of"):
         Engine(dec, slots=2, max_context=160, speculation="sometimes")

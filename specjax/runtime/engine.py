@@ -373,17 +373,22 @@ class Engine:
             mask[ending] = True
             st = self._placed(_end_jit(st, jax.device_put(mask)))
         st = self._admit(st)
-        ran = None
         if any(s not in ending for s in self._slots):
             st, plain, view = self._policy(st)
-            rows = len(self._slots)
+            before = None if view is _PINNED else self._counters(st)
             st, seconds = self._run_chunk(st, self.rounds_per_chunk, plain)
-            ran = (plain, view, rows, seconds)
+            if before is not None:  # the auto policy's measurement (its rows could switch)
+                rows = list(self._slots)
+                (l0, c0, r0), (l1, c1, r1) = before, self._counters(st)
+                self._auto.record(plain, view, seconds, r1 - r0, int((l1 - l0)[rows].sum()),
+                                  int((c1 - c0)[rows].sum()))
         self._state = st
-        reported = self._report(st, set(ending))
-        if ran is not None and ran[1] is not _PINNED:
-            self._auto.record(ran[0], ran[1], sum(len(u.tokens) for u in reported), ran[2], ran[3])
-        return updates + reported
+        return updates + self._report(st, set(ending))
+
+    @staticmethod
+    def _counters(st):
+        """Host copies of what the auto policy measures: ``(lengths [S], target_calls [S], round)``."""
+        return np.asarray(st.lengths), np.asarray(st.stats.target_calls), int(np.asarray(st.round))
 
     def _admit(self, st):
         """Admit queued requests into free slots, about :data:`ADMIT_TOKENS` prompt tokens per
