@@ -61,6 +61,13 @@ def _run(cache: str, args, extra: list[str]) -> dict:
                        "messages": [{"role": "user", "content": "Write a haiku about the sea."}]}).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body,
                                  {"Content-Type": "application/json"})
+    while True:  # "listening" is printed just before uvicorn binds the port
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    listening = time.perf_counter() - t0
     t1 = time.perf_counter()
     with urllib.request.urlopen(req, timeout=600) as r:
         json.load(r)
