@@ -294,18 +294,24 @@ class Engine:
     # ---- the decode side (one thread)
     def warmup(self, prompt_tokens: int = 512) -> float:
         """Compile (and run once, on a dummy prompt) the prefill of every prompt bucket up to
-        ``prompt_tokens`` (capped to the context), the insertion and the chunk of rounds at every
-        attention view; returns the seconds. Longer prompt buckets compile at their first request."""
+        ``prompt_tokens`` (capped to the context), the insertion, ending and switching of a row, and
+        the chunk of rounds (speculative and plain) at every attention view; returns the seconds. Longer prompt buckets compile at their first request."""
         t0 = time.perf_counter()
         st = self._ensure_state()
         args = self.decoder._run_args(st, 0)
         for prog in (self.prog, self._plain):
             for v in kv_views(self.prog.buffer_len) + [None] if prog is not None else []:  # every view's program
                 self.decoder._get("run", dataclasses.replace(prog, kv_view=v), args)
-        p = self.decoder.prompt_bucket
+        p, row = self.decoder.prompt_bucket, None
         while p <= min(int(prompt_tokens), self.context_limit - 1):
-            self._row_state([0] * p, 1, 0, Sampling(), (), True)
+            row = self._row_state([0] * p, 1, 0, Sampling(), (), True)
             p *= 2
+        if row is not None:  # the small programs every request meets: insertion, end, switches, a row's read
+            st = self._placed(_insert_jit(st, row, jnp.int32(0), jnp.bool_(True)))
+            st = self._placed(_end_jit(st, jax.device_put(np.ones(self.slots, bool))))
+            st = self._placed(_speculate_jit(st, jax.device_put(np.ones(self.slots, bool))))
+            if st.logprobs is not None:
+                _row_jit(st.logprobs, jnp.int32(0))
         self._state = jax.block_until_ready(st)
         return time.perf_counter() - t0
 
