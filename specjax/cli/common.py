@@ -184,20 +184,8 @@ def peek_context(model) -> int | None:
     ``config.json``, a ``.gguf`` file's ``<arch>.context_length``; milliseconds), or ``None``
     when that is not cheap (a hub id) or the file does not say."""
     from specjax.io.files import gguf_context_length
-    from specjax.io.loading import DEFAULT_MODEL, default_model_path
 
-    path = default_model_path() if model in (None, DEFAULT_MODEL) else os.path.expanduser(str(model))
-    if path.endswith(".gguf") and os.path.isfile(path):
-        return gguf_context_length(path)
-    cfg = os.path.join(path, "config.json")
-    if os.path.isfile(cfg):
-        try:
-            with open(cfg, encoding="utf-8") as f:
-                v = json.load(f).get("max_position_embeddings", 2048)  # ModelConfig.from_hf_config's default
-        except (OSError, ValueError, AttributeError):
-            return None
-        return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
-    return None
+    return _peek_config(model, gguf_context_length, "max_position_embeddings", 2048)  # from_hf_config's default
 
 
 def check_max_model_len(s: dict) -> None:
@@ -272,16 +260,23 @@ def peek_vocab_size(model) -> int | None:
     directory's ``config.json``; milliseconds), or ``None`` when that is not cheap (a hub id)
     or the file does not say (the loader then reports the problem)."""
     from specjax.io.files import gguf_vocab_size
+
+    return _peek_config(model, gguf_vocab_size, "vocab_size")
+
+
+def _peek_config(model, from_gguf, key: str, default=None) -> int | None:
+    """A positive integer of the target's config read cheaply: ``from_gguf(path)`` for a ``.gguf``
+    file, ``config.json[key]`` (``default`` when absent) for a model directory; ``None`` otherwise."""
     from specjax.io.loading import DEFAULT_MODEL, default_model_path
 
     path = default_model_path() if model in (None, DEFAULT_MODEL) else os.path.expanduser(str(model))
     if path.endswith(".gguf") and os.path.isfile(path):
-        return gguf_vocab_size(path)
+        return from_gguf(path)
     cfg = os.path.join(path, "config.json")
     if os.path.isfile(cfg):
         try:
             with open(cfg, encoding="utf-8") as f:
-                v = json.load(f).get("vocab_size")
+                v = json.load(f).get(key, default)
         except (OSError, ValueError, AttributeError):
             return None
         return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
