@@ -60,6 +60,13 @@ def kv_views(buffer_len: int, minimum: int | None = None) -> list[int]:
     return out
 
 
+def view_for(views: list[int], longest: int, round_span: int) -> int | None:
+    """The smallest of ``views`` (:func:`kv_views`) that holds the next round of a running row of
+    ``longest`` tokens (cache slots ``< longest - 1 + round_span``), or ``None``: the whole buffer."""
+    need = int(longest) - 1 + int(round_span)
+    return next((v for v in views if need <= v), None)
+
+
 def prompt_bucket(n: int, minimum: int = PROMPT_BUCKET) -> int:
     """Padded prompt length for a prompt of ``n`` tokens: the next power of two, at least
     ``minimum`` (default ``PROMPT_BUCKET``). Each bucket compiles its own prefill and decode
@@ -428,8 +435,8 @@ class Decoder:
             if views:
                 hv = self._host(st)
                 lengths, done = np.asarray(hv.lengths), np.asarray(hv.done)
-                need = int(np.max(np.where(done, 1, lengths))) - 1 + prog.round_span
-                p = next((dataclasses.replace(prog, kv_view=v) for v in views if need <= v), prog)
+                v = view_for(views, int(np.max(np.where(done, 1, lengths))), prog.round_span)
+                p = prog if v is None else dataclasses.replace(prog, kv_view=v)
             args = self._run_args(st, round_limit)
             fn, c = self._get("run", p, args)
             t0 = time.perf_counter()

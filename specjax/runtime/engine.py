@@ -40,7 +40,7 @@ import numpy as np
 
 from specjax.core.sampling import Sampling, SamplingParams
 from specjax.models.llama import KVCache
-from specjax.runtime.decoder import SEED_LIMIT, Decoder, kv_views, prompt_bucket, request_keys
+from specjax.runtime.decoder import SEED_LIMIT, Decoder, kv_views, prompt_bucket, request_keys, view_for
 from specjax.runtime.prefill import PREFILL_CHUNK, prefill_jit, prefill_program, prompt_chunk_jit, size_for_gamma
 from specjax.runtime.results import RowStats, host_result
 from specjax.runtime.spec_policy import SPECULATION, AutoSpeculation
@@ -174,7 +174,7 @@ class Engine:
     ``"always"`` (default) — greedy rows speculate unless ``spec_max_running`` is given and more
     than that many requests run; ``"auto"`` — each chunk whose rows may switch runs the program
     measured faster at its attention view (:class:`~specjax.runtime.spec_policy.AutoSpeculation`:
-    committed tokens per second per row, re-measured now and then). On one device every program
+    seconds per round of each program and τ, re-measured now and then). On one device every program
     computes all slots, so a round's cost does not depend on the occupancy; the tokens a
     speculative round commits depend on the requests, which is what the measurement follows.
 
@@ -295,7 +295,8 @@ class Engine:
     def warmup(self, prompt_tokens: int = 512) -> float:
         """Compile (and run once, on a dummy prompt) the prefill of every prompt bucket up to
         ``prompt_tokens`` (capped to the context), the insertion, ending and switching of a row, and
-        the chunk of rounds (speculative and plain) at every attention view; returns the seconds. Longer prompt buckets compile at their first request."""
+        the chunk of rounds (speculative and plain) at every attention view; returns the seconds.
+        Longer prompt buckets compile at their first request."""
         t0 = time.perf_counter()
         st = self._ensure_state()
         args = self.decoder._run_args(st, 0)
@@ -456,8 +457,8 @@ class Engine:
 
     def _view(self):
         """The attention view the next chunk starts in (:func:`kv_views`; ``None``: the whole buffer)."""
-        need = max(r.reported for r in self._slots.values()) - 1 + self.prog.round_span
-        return next((v for v in kv_views(self.prog.buffer_len) if need <= v), None)
+        longest = max(r.reported for r in self._slots.values())
+        return view_for(kv_views(self.prog.buffer_len), longest, self.prog.round_span)
 
     def _policy(self, st):
         """Set each running row's speculation switch; one small device update when a switch
