@@ -347,7 +347,6 @@ def _round(prog: Program, tparams, dparams, st: DecodeState) -> DecodeState:
     Counters count only what is committed (:func:`_count`)."""
     b = st.lengths.shape[0]
     g = prog.gamma
-    width = prog.block
     active = ~st.done
     rkeys, last, remaining = _round_inputs(st, g)  # rkeys [B, γ+2, 2]
     res_keys = rkeys[:, g + 1]
@@ -358,13 +357,8 @@ def _round(prog: Program, tparams, dparams, st: DecodeState) -> DecodeState:
         return _round_logprobs(prog, st.sampling, p, logits, chunk)
 
     def plain(st, dstate):
-        p, logits, cache, hidden = _target_step(prog, tparams, st, last, prog.drafter is not None)
-        nxt = jax.vmap(sample)(res_keys, p[:, 0])
-        hid = None
-        if prog.drafter is not None:  # the one hidden state sits at index 0 (= n) of the block
-            hid = jnp.zeros_like(st.target_hidden).at[:, :1].set(hidden)
-        chunk = _chunk_of(jnp.zeros((b, width - 1), jnp.int32), zeros, nxt)
-        return cache, zeros, chunk, zeros, dstate, hid, logprobs_of(p, logits, chunk)
+        cache, chunk, hid, lps = _one_token_step(prog, tparams, st, last, res_keys)
+        return cache, zeros, chunk, zeros, dstate, hid, lps
 
     if prog.drafter is None:
         cache, n, chunk, allowed, dstate, hidden, lps = plain(st, st.drafter_state)
@@ -500,7 +494,6 @@ def _tree_round(prog: Program, tparams, dparams, st: DecodeState) -> DecodeState
     shape = prog.tree
     b = st.lengths.shape[0]
     nodes, depth = shape.nodes, shape.depth
-    width = prog.block  # D + 1
     active = ~st.done
     rkeys, last, remaining = _round_inputs(st, nodes)  # rkeys [B, N+2, 2]
     res_keys = rkeys[:, nodes + 1]
@@ -541,11 +534,8 @@ def _tree_round(prog: Program, tparams, dparams, st: DecodeState) -> DecodeState
         return cache, n, chunk, offered, rejected, dstate, hidden, lps
 
     def plain(st, dstate):  # no row has a valid node: a one-token step (as the chain's no_match)
-        p, logits, cache, hid1 = _target_step(prog, tparams, st, last, True)
-        nxt = jax.vmap(sample)(res_keys, p[:, 0])
-        hidden = jnp.zeros_like(st.target_hidden).at[:, :1].set(hid1)
-        chunk = _chunk_of(jnp.zeros((b, width - 1), jnp.int32), zeros, nxt)
-        return cache, zeros, chunk, zeros, no, dstate, hidden, logprobs_of(p, logits, chunk)
+        cache, chunk, hidden, lps = _one_token_step(prog, tparams, st, last, res_keys)
+        return cache, zeros, chunk, zeros, no, dstate, hidden, lps
 
     if prog.drafter.always_proposes:
         cache, n, chunk, offered, rejected, dstate, hidden, lps = spec(st, prop.state)
@@ -572,13 +562,22 @@ def _plain_round(prog: Program, tparams, dparams, st: DecodeState) -> DecodeStat
     b = st.lengths.shape[0]
     zeros = jnp.zeros((b,), jnp.int32)
     rkeys, last, _ = _round_inputs(st, prog.gamma if prog.tree is None else prog.tree.nodes)
-    p, logits, cache, hid = _target_step(prog, tparams, st, last, prog.drafter is not None)
-    nxt = jax.vmap(sample)(rkeys[:, -1], p[:, 0])
-    hidden = st.target_hidden if hid is None else jnp.zeros_like(st.target_hidden).at[:, :1].set(hid)
-    chunk = _chunk_of(jnp.zeros((b, prog.block - 1), jnp.int32), zeros, nxt)
-    lps = _round_logprobs(prog, st.sampling, p, logits, chunk)
+    cache, chunk, hidden, lps = _one_token_step(prog, tparams, st, last, rkeys[:, -1])
     rejected = None if prog.tree is None else jnp.zeros((b,), bool)
     return _finish_round(prog, st, cache, zeros, chunk, zeros, rejected, st.drafter_state, hidden, lps)
+
+
+def _one_token_step(prog: Program, tparams, st: DecodeState, last, keys):
+    """One target call over each row's last committed token ``last [B, 1]`` and the next token drawn
+    from p with ``keys [B, 2]`` (the plain step of every round kind): ``(cache, chunk [B, W], hidden,
+    logprobs)``, ``hidden`` in ``target_hidden``'s layout (the one hidden state at index 0, as after a
+    round that accepts no draft; ``None`` without a drafter)."""
+    b = st.lengths.shape[0]
+    p, logits, cache, h = _target_step(prog, tparams, st, last, prog.drafter is not None)
+    nxt = jax.vmap(sample)(keys, p[:, 0])
+    hidden = None if prog.drafter is None else jnp.zeros_like(st.target_hidden).at[:, :1].set(h)
+    chunk = _chunk_of(jnp.zeros((b, prog.block - 1), jnp.int32), jnp.zeros((b,), jnp.int32), nxt)
+    return cache, chunk, hidden, _round_logprobs(prog, st.sampling, p, logits, chunk)
 
 
 def view_fits(prog: Program, st: DecodeState):
