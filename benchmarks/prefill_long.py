@@ -1,11 +1,11 @@
 """Long-prompt prefill (issue 29): prefill seconds and peak host memory for prompts of about 1k, 2k, 4k
-and 8k tokens on the default model, each in a fresh subprocess (so ru_maxrss is that prompt's peak).
+and 8k tokens on the default model, each in a fresh subprocess (so its VmHWM is that prompt's peak).
 
     python benchmarks/prefill_long.py [--dtype float32] [--lengths 1000 2000 4000 7900] [--whole-buffer]
 
 The first output line is the host (CPU model, vector flags, cores, versions, load average); then one JSON
 line per length: ``prefill_s`` (``Decoder.generate``'s prefill seconds, compile excluded), ``compile_s``,
-``peak_rss_gb`` (the child's ru_maxrss: model, compile and prefill together), the child's wall seconds and
+``peak_rss_gb`` (the child's VmHWM, ``bench_io.peak_rss_bytes``: model, compile and prefill together), the child's wall seconds and
 its first 8 greedy tokens (random prompt ids, seed 0; equal across versions means equal numerics).
 ``--whole-buffer``: every prefill chunk attends over the whole KV buffer (the prefill before issue 29's
 masked-block skipping, ``specjax.runtime.prefill.SKIP_MASKED_KEYS = False``).
@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ import time
 def child(n: int, dtype: str, whole_buffer: bool) -> dict:
     import numpy as np
 
+    from specjax.eval.bench_io import peak_rss_bytes
     from specjax.io.loading import load_model
     from specjax.runtime import prefill as prefill_mod
     from specjax.runtime.decoder import Decoder
@@ -35,7 +35,7 @@ def child(n: int, dtype: str, whole_buffer: bool) -> dict:
     res = Decoder(target).generate([prompt], max_new_tokens=8, eos_ids=[])
     return dict(prompt_tokens=n, dtype=dtype, whole_buffer=whole_buffer, prefill_s=round(res.prefill_s, 2),
                 compile_s=round(res.compile_s, 2),
-                peak_rss_gb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9, 3),
+                peak_rss_gb=round(peak_rss_bytes() / 1e9, 3),
                 first_tokens=res.tokens[0][:8])
 
 

@@ -175,9 +175,9 @@ def test_llama_8b_plan_on_8_devices(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT, SPECJAX_NO_CACHE="1", SPECJAX_NO_PROGRESS="1")
     env.pop("XLA_FLAGS", None)
     env.pop("JAX_PLATFORMS", None)
-    # the child reports its own peak RSS (RUSAGE_CHILDREN would also count the worker's other children)
-    code = ("import resource, sys; from specjax.cli import main; rc = main(sys.argv[1:]); "
-            "print('RSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, file=sys.stderr); sys.exit(rc)")
+    # the child reports its own peak RSS (VmHWM: ru_maxrss would carry the pytest worker's peak across exec)
+    code = ("import sys; from specjax.cli import main; from specjax.eval.bench_io import peak_rss_bytes; "
+            "rc = main(sys.argv[1:]); print('RSS', peak_rss_bytes(), file=sys.stderr); sys.exit(rc)")
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", code, "plan", "--model", "llama-3.1-8b", "--mesh", "data=1,model=8",
                            "--dtype", "bfloat16", "--batch", "8", "--max-len", "8192", "--json"],

@@ -3,7 +3,7 @@
 BIT (tiny model, a 2,100-token prompt: 8 chunks of the 4,096 bucket; global attention and a sliding
 window): every span it reads is computed as before, and the skipped spans were exact zeros in the
 fixed-order sums. GATE (``-m gate_matrix``, .ci/run's gate phase): a 7,900-token prompt's prefill on
-the default model in float32 peaks under 3 GiB of host memory (a subprocess's ru_maxrss)."""
+the default model in float32 peaks under 3 GiB of host memory (a subprocess's VmHWM, ``bench_io.peak_rss_bytes``)."""
 
 from __future__ import annotations
 
@@ -50,8 +50,9 @@ def test_skipping_prefill_equals_whole_buffer_prefill(monkeypatch, window):
 
 
 _MEMORY_CHILD = """
-import json, resource, time
+import json, time
 import jax, numpy as np
+from specjax.eval.bench_io import peak_rss_bytes
 from specjax.io.loading import load_model
 from specjax.runtime.decoder import Decoder
 from specjax.runtime.prefill import prefill_jit, prefill_program
@@ -64,7 +65,7 @@ fn = prefill_jit.lower(prefill_program(prog), *args).compile()
 t1 = time.perf_counter()
 jax.block_until_ready(fn(*args))
 t2 = time.perf_counter()
-print(json.dumps(dict(peak_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+print(json.dumps(dict(peak_bytes=peak_rss_bytes(),
                       compile_s=t1 - t0, prefill_s=t2 - t1, bucket=int(args[2].shape[1]))))
 """
 

@@ -99,16 +99,17 @@ def test_a_large_data_set_is_not_loaded_into_memory(tmp_path):
     total = 4 * 2 * seq_len * width * 2
     assert total > 850e6
     code = textwrap.dedent(f"""
-        import resource, numpy as np
+        import numpy as np
+        from specjax.eval.bench_io import peak_rss_bytes
         from specjax.train.data import collect_data
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        before = peak_rss_bytes()
         seqs, data = collect_data([{d!r}])
         acc = 0.0
         for q in seqs:
             for st in range(0, len(q["ids"]) - 192, 4096):
                 acc += float(np.asarray(data["hidden"][q["offset"] + st: q["offset"] + st + 192], np.float32).sum())
-        after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        print((after - before) * 1024, data["hidden"].shape[0], acc)
+        after = peak_rss_bytes()
+        print(after - before, data["hidden"].shape[0], acc)
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -163,6 +163,25 @@ def json_default(o):
     raise TypeError(f"not JSON serialisable: {type(o).__name__}")
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident set since it started its program, in bytes (``VmHWM`` of
+    ``/proc/self/status``); 0 where there is no ``/proc``.
+
+    Not ``getrusage(RUSAGE_SELF).ru_maxrss``: Linux carries that across ``fork`` + ``execve``, so
+    a subprocess started by a large process (a pytest worker holding several models) reports its
+    parent's peak — both memory gates once read a 9.0 GiB pytest worker instead of their own
+    2 GiB. ``VmHWM`` belongs to the address space, which ``execve`` replaces.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
 def machine_info() -> dict:
     info = {
         "python": platform.python_version(),
