@@ -46,7 +46,7 @@ import numpy as np
 
 # Bump when the conversion's result changes in a way the hashed sources below do not show
 # (they are hashed too, so an edit of them alone needs no bump).
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 2: int8 as 8-bit block codes with scales and offsets (issue 26)
 # The modules whose code decides the converted arrays and the tokenizer (relative to specjax/).
 CONVERTER_SOURCES = ("io/convcache.py", "io/loading.py", "io/assemble.py", "io/hf.py", "io/gguf.py",
                      "io/tokenizer.py", "models/config.py", "models/weights.py", "models/llama.py")

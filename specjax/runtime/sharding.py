@@ -70,7 +70,7 @@ class _ParamLogicalAxes(Mapping):
     """``{parameter name (last path element): logical axis of each dimension}``, read from the
     weight table (:data:`specjax.models.weights.WEIGHTS`, :func:`~specjax.models.weights.param_logical_axes`)
     on every lookup: a weight added to the table is sharded by its own axes, and an int8
-    ``<name>_scale`` follows its weight's output dimension."""
+    ``<name>_scale`` follows its weight's output dimensions (its block axis is replicated)."""
 
     def __getitem__(self, name):
         return llama.param_logical_axes()[name]
