@@ -216,7 +216,7 @@ def _load_gguf(path: str, fmt: str, dtype, place, max_model_len=None):
     # The reader keeps ~100k small numpy views for the vocabulary/merges fields
     # (~150 MB); drop them before the weights are loaded.
     gguf_loader.drop_fields(reader)
-    graphdef, params = assemble_params(cfg, gguf_loader.iter_gguf_tensors(reader, cfg), dtype, place, path)
+    graphdef, params = assemble_params(cfg, gguf_loader.iter_gguf_tensors(reader, cfg, blocks=_dtype(dtype) == "int8"), dtype, place, path)
     del reader
     return cfg, graphdef, params, tok, name, cache, False
 

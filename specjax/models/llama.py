@@ -53,8 +53,8 @@ from specjax.models.params import (  # noqa: F401  (the parameters, re-exported)
     unflatten_params, weight_format,
 )
 from specjax.models.weights import (  # noqa: F401  (the table's functions, re-exported)
-    FORMAT_DEFINITION, WEIGHT_FORMATS, Part, WeightSpec, checkpoint_names, fuse, init_weight, layer_weights,
-    matmul_weights, num_params, param_logical_axes, part_of, quantize_int8, quantize_int8_blocks, dequantize_int8, split, storage_dtype, weight_spec,
+    BlockCodes, FORMAT_DEFINITION, WEIGHT_FORMATS, Part, WeightSpec, checkpoint_names, fuse, init_weight, layer_weights,
+    matmul_weights, num_params, param_logical_axes, part_of, quantize_int8, quantize_int8_blocks, dequantize_int8, fuse_blocks, split, storage_dtype, weight_spec,
 )
 
 

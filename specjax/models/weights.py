@@ -19,7 +19,7 @@ and whole MLP slices; the matmul contracts ``D`` and keeps the other axes (one d
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -396,6 +396,31 @@ def quantize_int8(w, axis: int):
     codes = jnp.moveaxis(codes.reshape(*wm.shape[:-1], nb * QUANT_BLOCK)[..., :k], -1, axis)
     scale = jnp.stack([jnp.moveaxis(d, -1, axis), jnp.moveaxis(lo, -1, axis)]).astype(jnp.float32)
     return codes, scale
+
+
+class BlockCodes(NamedTuple):
+    """A matmul weight already in the int8 format (a GGUF file's exact Q4_0 / Q4_1 / Q8_0 blocks,
+    :func:`specjax.io.gguf.block_codes`): ``codes`` uint8 of the weight's shape, ``scale`` float32
+    of :func:`scale_shape` (numpy). ``shape`` is the weight's."""
+
+    codes: np.ndarray
+    scale: np.ndarray
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self.codes.shape)
+
+
+def fuse_blocks(spec: "WeightSpec", cfg: ModelConfig, parts: list) -> BlockCodes:
+    """:func:`fuse` of :class:`BlockCodes` parts: the codes as :func:`fuse` joins floats, each scale
+    reshaped to its part's ``view`` with the blocks in place of ``quant_axis`` and joined on the same axis."""
+    codes = fuse(spec, cfg, [p.codes for p in parts])
+    scales = []
+    for part, p in zip(spec.parts, parts):
+        view = list(part.view(cfg))
+        view[spec.quant_axis] = -1  # the blocks
+        scales.append(p.scale.reshape(2, *view))
+    return BlockCodes(codes, np.concatenate(scales, axis=spec.concat_axis + 1))
 
 
 def dequantize_int8(codes, scale, axis: int):
