@@ -201,16 +201,38 @@ def block_matmul(x2d, codes, scale, transposed: bool = False, threads: int | Non
 
 
 # ------------------------------------------------------------------ references
+def _div(xp, a, b):
+    """``a / b`` (float32, true division). XLA's simplifier turns a division by a broadcast (or a
+    constant) into a multiplication by its rounded reciprocal, which rounds differently: jnp gets
+    the divisor materialized at ``a``'s shape behind an optimization barrier."""
+    if xp is np:
+        return (a / b).astype(np.float32)
+    b = jax.lax.optimization_barrier(jnp.broadcast_to(jnp.asarray(b, jnp.float32), a.shape))
+    return a / b
+
+
+def _mul(xp, a, b):
+    """``a * b`` rounded to float32 on its own. XLA:CPU lets LLVM contract a multiplication and an
+    addition that uses it into an FMA (one rounding): in jnp the product's bits pass through an
+    integer OR with a flag that is 0 unless the product is NaN (a NaN stays NaN), which LLVM
+    cannot see through."""
+    if xp is np:
+        return (a * b).astype(np.float32)
+    p = a * b
+    i = jax.lax.bitcast_convert_type(p, jnp.int32) | (p != p).astype(jnp.int32)
+    return jax.lax.bitcast_convert_type(i, jnp.float32)
+
+
 def _quantize_acts(xp, xb):
     """xb float32 [M, B, 32] → (q1, q2 int32 [M, B, 32], s1, s2, X float32 [M, B]) (``xp``: np or jnp)."""
     f32 = xp.float32
     a1 = xp.max(xp.abs(xb), axis=-1)
-    s1 = xp.where(a1 == 0, f32(1), a1 / f32(127)).astype(f32)
-    q1f = xp.round(xp.clip(xb / s1[..., None], f32(-127), f32(127)))
-    r = (xb - (s1[..., None] * q1f).astype(f32)).astype(f32)
+    s1 = xp.where(a1 == 0, f32(1), _div(xp, a1, f32(127))).astype(f32)
+    q1f = xp.round(xp.clip(_div(xp, xb, s1[..., None]), f32(-127), f32(127)))
+    r = (xb - _mul(xp, s1[..., None], q1f)).astype(f32)
     a2 = xp.max(xp.abs(r), axis=-1)
-    s2 = xp.where(a2 == 0, f32(1), a2 / f32(127)).astype(f32)
-    q2f = xp.round(xp.clip(r / s2[..., None], f32(-127), f32(127)))
+    s2 = xp.where(a2 == 0, f32(1), _div(xp, a2, f32(127))).astype(f32)
+    q2f = xp.round(xp.clip(_div(xp, r, s2[..., None]), f32(-127), f32(127)))
     t = xb
     for h in (16, 8, 4, 2, 1):
         t = (t[..., :h] + t[..., h:2 * h]).astype(f32)
@@ -281,10 +303,10 @@ def block_matmul_ref(x2d, codes, scale, transposed: bool = False):
         dims = (((2,), (1,)), ((1,), (0,)))  # q [M,B,32] · c [B,32,N] → [B, M, N]
     I1 = jax.lax.dot_general(q1, cb, dims, preferred_element_type=jnp.int32).astype(f32)
     I2 = jax.lax.dot_general(q2, cb, dims, preferred_element_type=jnp.int32).astype(f32)
-    t1 = s1.T[:, :, None] * I1  # [B, M, N]
-    t2 = s2.T[:, :, None] * I2
-    v = d[:, None, :] * (t1 + t2)
-    w = mn[:, None, :] * X.T[:, :, None]
+    t1 = _mul(jnp, s1.T[:, :, None], I1)  # [B, M, N]
+    t2 = _mul(jnp, s2.T[:, :, None], I2)
+    v = _mul(jnp, d[:, None, :], t1 + t2)
+    w = _mul(jnp, mn[:, None, :], X.T[:, :, None])
     c = v + w
 
     def step(y, cb_):
