@@ -324,7 +324,7 @@ def quantize_blocks(w, axis: int = 0):
     ``codes = clamp(round_half_even((w - lo) / d), 0, 255)`` (``d == 0``: codes 0), ``m = lo``.
     Returns ``(codes uint8 of w.shape, scale float32 of shape (2,) + w.shape with axis → ceil(K/32))``.
     numpy in, numpy out; a jax array in, jax arrays out (jittable with a static ``axis``)."""
-    xp = jnp if isinstance(w, jax.Array) or isinstance(w, jax.core.Tracer) else np
+    xp = jnp if isinstance(w, jax.Array) else np  # tracers are jax.Arrays
     f32 = np.float32
     w = xp.asarray(w).astype(f32)
     axis = axis % w.ndim
@@ -338,9 +338,9 @@ def quantize_blocks(w, axis: int = 0):
     wb = wm.reshape((B, BLOCK) + rest)
     lo = xp.min(wb, axis=1)
     hi = xp.max(wb, axis=1)
-    d = ((hi - lo) / f32(255)).astype(f32)
+    d = _div(xp, hi - lo, f32(255)).astype(f32)
     safe = xp.where(d == 0, f32(1), d)
-    q = xp.round(xp.clip((wb - lo[:, None]) / safe[:, None], f32(0), f32(255)))
+    q = xp.round(xp.clip(_div(xp, wb - lo[:, None], safe[:, None]), f32(0), f32(255)))
     q = xp.where((d == 0)[:, None], f32(0), q)
     codes = q.astype(xp.uint8).reshape((B * BLOCK,) + rest)[:K]
     codes = xp.moveaxis(codes, 0, axis)
