@@ -56,10 +56,18 @@ static Isa best_isa() {
 
 static const Isa g_best = best_isa();
 static Isa g_isa = g_best;
-static int g_pf = [] {  // prefetch distance in blocks (0: off)
-  const char* v = std::getenv("SPECJAX_Q8_PF");
-  return v ? std::atoi(v) : 2;
-}();
+static int env_int(const char* name, int dflt) {
+  const char* v = std::getenv(name);
+  return v ? std::atoi(v) : dflt;
+}
+// software prefetch distance (0: off): KN (VNNI) in tiles of 64 columns, otherwise in blocks
+static const int g_pf = env_int("SPECJAX_Q8_PF", 4);
+// KN (VNNI): bytes of the permuted-y scratch of one chunk of column tiles
+static const int g_pfb = env_int("SPECJAX_Q8_PFB", 2);  // AVX2: in blocks
+static const int g_pf_linear = env_int("SPECJAX_Q8_PFLIN", 1);  // KN (VNNI): next block's rows
+static const int g_pfg = env_int("SPECJAX_Q8_PFG", 1);  // NK (VNNI): groups of 16 rows ahead
+static const int g_pfg_hint = env_int("SPECJAX_Q8_PFG_T1", 0);
+static const int64_t g_ybudget = env_int("SPECJAX_Q8_YBUDGET", 256 << 10);
 
 template <typename T>
 struct AlignedBuf {  // grows only; 64-byte aligned
@@ -282,7 +290,7 @@ __attribute__((target(T_AVX512))) static inline void transpose_lanes(__m512 n0, 
 template <int R, int NJ>
 __attribute__((target(T_AVX512))) static inline void kn_rows_vnni(
     const __m512i* __restrict W, const float* __restrict ds, const Act& a, int m0, int b,
-    float* __restrict yp, int J0) {
+    float* __restrict yp, size_t ldp, int J0) {
   __m512i acc1[R][NJ], acc2[R][NJ];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NJ; ++j) acc1[r][j] = acc2[r][j] = _mm512_setzero_si512();
@@ -306,7 +314,7 @@ __attribute__((target(T_AVX512))) static inline void kn_rows_vnni(
     const size_t os = (size_t)(m0 + r) * a.nb + b;
     const __m512 s1 = _mm512_set1_ps(a.s1[os]), s2 = _mm512_set1_ps(a.s2[os]);
     const __m512 X = _mm512_set1_ps(a.X[os]);
-    float* yr = yp + (size_t)r * 64;
+    float* yr = yp + (size_t)r * ldp;
     for (int j = 0; j < NJ; ++j) {
       const int jj = J0 + j;
       __m512 t1 = _mm512_mul_ps(s1, _mm512_cvtepi32_ps(acc1[r][j]));
@@ -319,132 +327,172 @@ __attribute__((target(T_AVX512))) static inline void kn_rows_vnni(
   }
 }
 
-// One tile: codes at column n0 (row stride ldc), scales d, m at column n0 (row stride lds),
-// the 64 outputs per row written to y (row stride ldy), the first `valid` columns.
-__attribute__((target(T_AVX512))) static void kn_tile_vnni(const Act& a, const uint8_t* codes,
-                                                           size_t ldc, const float* D,
-                                                           const float* Mn, size_t lds,
-                                                           float* y, size_t ldy, int valid,
-                                                           KnScratch& s) {
+// A chunk of C tiles (columns n0 .. n0 + 64 C): codes at column n0 (row stride ldc), scales d, m at
+// column n0 (row stride lds); outputs to y (row stride ldy), the first `valid` columns of the chunk.
+// Block-outer, tile-inner: the chunk's 32 rows of codes of a block are read as C consecutive 64-byte
+// pieces per row (long sequential runs; the next tiles' lines are prefetched), the permuted y of the
+// chunk stays in a scratch of M x 64 C floats (chunks are sized to keep it in cache).
+__attribute__((target(T_AVX512))) static void kn_chunk_vnni(const Act& a, const uint8_t* codes,
+                                                            size_t ldc, const float* D,
+                                                            const float* Mn, size_t lds, int C,
+                                                            float* y, size_t ldy, int valid,
+                                                            KnScratch& s) {
   const int M = a.M, nb = a.nb;
+  const size_t ldp = (size_t)64 * C;
   __m512i* W = s.w.get(32);
   float* ds = s.ds.get(128);
-  float* yp = s.yp.get((size_t)M * 64);
+  float* yp = s.yp.get((size_t)M * ldp);
   const __m512 nz = _mm512_set1_ps(-0.0f);
-  for (size_t i = 0; i < (size_t)M * 4; ++i) _mm512_store_ps(yp + 16 * i, nz);
+  for (size_t i = 0; i < (size_t)M * 4 * C; ++i) _mm512_store_ps(yp + 16 * i, nz);
+  const bool linear = g_pf_linear && (size_t)64 * C == ldc;
   for (int b = 0; b < nb; ++b) {
-    const uint8_t* cb = codes + (size_t)b * kB * ldc;
-    if (g_pf > 0 && b + g_pf < nb) {
-      const uint8_t* pb = cb + (size_t)g_pf * kB * ldc;
-      for (int k = 0; k < kB; ++k) _mm_prefetch((const char*)(pb + k * ldc), _MM_HINT_T0);
-    }
+    for (int t = 0; t < C; ++t) {
+      const uint8_t* cb = codes + (size_t)b * kB * ldc + 64 * t;
+      if (linear) {  // the chunk spans whole rows: the next block's rows are one contiguous region
+        if (b + 1 < nb) {
+          const uint8_t* pb = codes + (size_t)(b + 1) * kB * ldc + (size_t)t * kB * 64;
+          for (int i = 0; i < kB; ++i) _mm_prefetch((const char*)(pb + 64 * i), _MM_HINT_T1);
+        }
+      } else if (g_pf > 0) {  // the lines of the tile g_pf tiles ahead (in the next block after the last)
+        int tb = b, tt = t + g_pf;
+        if (tt >= C) tt -= C, ++tb;
+        if (tb < nb && tt < C) {
+          const uint8_t* pb = codes + (size_t)tb * kB * ldc + 64 * tt;
+          for (int k = 0; k < kB; ++k) _mm_prefetch((const char*)(pb + k * ldc), _MM_HINT_T0);
+        }
+      }
 #pragma GCC unroll 8
-    for (int q = 0; q < 8; ++q) {
-      const uint8_t* p = cb + (size_t)(4 * q) * ldc;
-      __m512i r0 = _mm512_loadu_si512(p), r1 = _mm512_loadu_si512(p + ldc);
-      __m512i r2 = _mm512_loadu_si512(p + 2 * ldc), r3 = _mm512_loadu_si512(p + 3 * ldc);
-      __m512i l01 = _mm512_unpacklo_epi8(r0, r1), h01 = _mm512_unpackhi_epi8(r0, r1);
-      __m512i l23 = _mm512_unpacklo_epi8(r2, r3), h23 = _mm512_unpackhi_epi8(r2, r3);
-      _mm512_store_si512(W + 4 * q + 0, _mm512_unpacklo_epi16(l01, l23));
-      _mm512_store_si512(W + 4 * q + 1, _mm512_unpackhi_epi16(l01, l23));
-      _mm512_store_si512(W + 4 * q + 2, _mm512_unpacklo_epi16(h01, h23));
-      _mm512_store_si512(W + 4 * q + 3, _mm512_unpackhi_epi16(h01, h23));
-    }
-    const float* db = D + (size_t)b * lds;
-    const float* mb = Mn + (size_t)b * lds;
-    __m512 t[4];
-    transpose_lanes(_mm512_loadu_ps(db), _mm512_loadu_ps(db + 16), _mm512_loadu_ps(db + 32),
-                    _mm512_loadu_ps(db + 48), t);
-    for (int j = 0; j < 4; ++j) _mm512_store_ps(ds + 16 * j, t[j]);
-    transpose_lanes(_mm512_loadu_ps(mb), _mm512_loadu_ps(mb + 16), _mm512_loadu_ps(mb + 32),
-                    _mm512_loadu_ps(mb + 48), t);
-    for (int j = 0; j < 4; ++j) _mm512_store_ps(ds + 64 + 16 * j, t[j]);
-    int m = 0;
-    for (; m + 4 <= M; m += 4) {
-      kn_rows_vnni<4, 2>(W, ds, a, m, b, yp + (size_t)m * 64, 0);
-      kn_rows_vnni<4, 2>(W, ds, a, m, b, yp + (size_t)m * 64, 2);
-    }
-    for (; m + 2 <= M; m += 2) kn_rows_vnni<2, 4>(W, ds, a, m, b, yp + (size_t)m * 64, 0);
-    for (; m < M; ++m) kn_rows_vnni<1, 4>(W, ds, a, m, b, yp + (size_t)m * 64, 0);
-  }
-  for (int m = 0; m < M; ++m) {
-    const float* yr = yp + (size_t)m * 64;
-    __m512 t[4];
-    transpose_lanes(_mm512_load_ps(yr), _mm512_load_ps(yr + 16), _mm512_load_ps(yr + 32),
-                    _mm512_load_ps(yr + 48), t);
-    float* out = y + (size_t)m * ldy;
-    if (valid == 64) {
-      for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + 16 * j, t[j]);
-    } else {
-      alignas(64) float tmp[64];
-      for (int j = 0; j < 4; ++j) _mm512_store_ps(tmp + 16 * j, t[j]);
-      std::memcpy(out, tmp, sizeof(float) * valid);
+      for (int q = 0; q < 8; ++q) {
+        const uint8_t* p = cb + (size_t)(4 * q) * ldc;
+        __m512i r0 = _mm512_loadu_si512(p), r1 = _mm512_loadu_si512(p + ldc);
+        __m512i r2 = _mm512_loadu_si512(p + 2 * ldc), r3 = _mm512_loadu_si512(p + 3 * ldc);
+        __m512i l01 = _mm512_unpacklo_epi8(r0, r1), h01 = _mm512_unpackhi_epi8(r0, r1);
+        __m512i l23 = _mm512_unpacklo_epi8(r2, r3), h23 = _mm512_unpackhi_epi8(r2, r3);
+        _mm512_store_si512(W + 4 * q + 0, _mm512_unpacklo_epi16(l01, l23));
+        _mm512_store_si512(W + 4 * q + 1, _mm512_unpackhi_epi16(l01, l23));
+        _mm512_store_si512(W + 4 * q + 2, _mm512_unpacklo_epi16(h01, h23));
+        _mm512_store_si512(W + 4 * q + 3, _mm512_unpackhi_epi16(h01, h23));
+      }
+      const float* db = D + (size_t)b * lds + 64 * t;
+      const float* mb = Mn + (size_t)b * lds + 64 * t;
+      __m512 tr[4];
+      transpose_lanes(_mm512_loadu_ps(db), _mm512_loadu_ps(db + 16), _mm512_loadu_ps(db + 32),
+                      _mm512_loadu_ps(db + 48), tr);
+      for (int j = 0; j < 4; ++j) _mm512_store_ps(ds + 16 * j, tr[j]);
+      transpose_lanes(_mm512_loadu_ps(mb), _mm512_loadu_ps(mb + 16), _mm512_loadu_ps(mb + 32),
+                      _mm512_loadu_ps(mb + 48), tr);
+      for (int j = 0; j < 4; ++j) _mm512_store_ps(ds + 64 + 16 * j, tr[j]);
+      float* yt = yp + 64 * t;
+      int m = 0;
+      for (; m + 4 <= M; m += 4) {
+        kn_rows_vnni<4, 2>(W, ds, a, m, b, yt + m * ldp, ldp, 0);
+        kn_rows_vnni<4, 2>(W, ds, a, m, b, yt + m * ldp, ldp, 2);
+      }
+      for (; m + 2 <= M; m += 2) kn_rows_vnni<2, 4>(W, ds, a, m, b, yt + m * ldp, ldp, 0);
+      for (; m < M; ++m) kn_rows_vnni<1, 4>(W, ds, a, m, b, yt + m * ldp, ldp, 0);
     }
   }
+  for (int m = 0; m < M; ++m)
+    for (int t = 0; t < C; ++t) {
+      const float* yr = yp + m * ldp + 64 * t;
+      __m512 tr[4];
+      transpose_lanes(_mm512_load_ps(yr), _mm512_load_ps(yr + 16), _mm512_load_ps(yr + 32),
+                      _mm512_load_ps(yr + 48), tr);
+      float* out = y + (size_t)m * ldy + 64 * t;
+      const int v = std::min(64, valid - 64 * t);
+      if (v == 64) {
+        for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + 16 * j, tr[j]);
+      } else {
+        alignas(64) float tmp[64];
+        for (int j = 0; j < 4; ++j) _mm512_store_ps(tmp + 16 * j, tr[j]);
+        std::memcpy(out, tmp, sizeof(float) * v);
+      }
+    }
 }
 
 // ------------------------------------------------------------------ AVX-512 VNNI, NK
 // A group of 16 columns (rows of codes). Per block, register p holds the block's 32 codes of
-// columns 2p (low 256 bits) and 2p+1 (high); one vpdpbusd with the row's 32 activations
-// (broadcast to both halves) gives 8 partial sums per column; 8 registers are reduced together
-// (unpack + add, then a 128-bit lane shuffle + add) into 16 sums in the order kNkOrder.
-// d, m are stored in that order per group, y accumulated in it, and permuted back at the end.
-static const int kNkOrder[16] = {0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15};
+// columns 2p (low 256 bits) and 2p+1 (high), i.e. 8 dwords (k-quads) per column; an 8 x 8 dword
+// transposition in both halves at once (unpack epi32 / epi64, vpermt2q) gives register q = k-quad
+// q of all 16 columns, in the order kNkOrder (low half the even columns, high half the odd), so
+// each row needs 8 vpdpbusd per level with a broadcast activation quad and no horizontal sums. The
+// transposition is done once per block for all rows; d, m are gathered in that order, y is
+// accumulated in it and permuted back at the end.
+static const int kNkOrder[16] = {0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15};
 
 struct NkScratch {
-  AlignedBuf<float> ds;  // [nb][2][16]: d, m in kNkOrder
   AlignedBuf<float> yp;  // [M][16]
 };
 
-__attribute__((target(T_AVX512))) static inline __m512i reduce16(const __m512i* acc) {
-  __m512i s[4];
-  for (int i = 0; i < 4; ++i)
-    s[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(acc[2 * i], acc[2 * i + 1]),
-                            _mm512_unpackhi_epi32(acc[2 * i], acc[2 * i + 1]));
-  __m512i u0 = _mm512_add_epi32(_mm512_unpacklo_epi64(s[0], s[1]),
-                                _mm512_unpackhi_epi64(s[0], s[1]));
-  __m512i u1 = _mm512_add_epi32(_mm512_unpacklo_epi64(s[2], s[3]),
-                                _mm512_unpackhi_epi64(s[2], s[3]));
-  return _mm512_add_epi32(_mm512_shuffle_i32x4(u0, u1, 0x88), _mm512_shuffle_i32x4(u0, u1, 0xDD));
+__attribute__((target(T_AVX512))) static inline void transpose8x8x2(__m512i* r) {
+  __m512i t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {  // rows 4i .. 4i+3
+    __m512i* tt = t + 4 * i;
+    u[4 * i + 0] = _mm512_unpacklo_epi64(tt[0], tt[2]);  // quads 0 | 4 of rows 4i..4i+3
+    u[4 * i + 1] = _mm512_unpackhi_epi64(tt[0], tt[2]);  // 1 | 5
+    u[4 * i + 2] = _mm512_unpacklo_epi64(tt[1], tt[3]);  // 2 | 6
+    u[4 * i + 3] = _mm512_unpackhi_epi64(tt[1], tt[3]);  // 3 | 7
+  }
+  const __m512i lo = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
+  const __m512i hi = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+  for (int q = 0; q < 4; ++q) {
+    r[q] = _mm512_permutex2var_epi64(u[q], lo, u[4 + q]);
+    r[q + 4] = _mm512_permutex2var_epi64(u[q], hi, u[4 + q]);
+  }
 }
 
-// codes: row n0 (row stride K); D, Mn: d, m of column n0 (row stride nb); valid columns <= 16.
+// codes: row n0 (row stride K); D, Mn: d, m of column n0 (row stride nb); valid columns <= 16;
+// ahead: codes of a later group to prefetch (16 K contiguous bytes), or null.
 __attribute__((target(T_AVX512))) static void nk_group_vnni(const Act& a, const uint8_t* codes,
                                                             const float* D, const float* Mn,
                                                             float* y, size_t ldy, int valid,
-                                                            NkScratch& s) {
+                                                            const uint8_t* ahead, NkScratch& s) {
   const int M = a.M, nb = a.nb;
   const size_t K = a.K;
-  float* ds = s.ds.get((size_t)nb * 32);
   float* yp = s.yp.get((size_t)M * 16);
-  for (int b = 0; b < nb; ++b)
-    for (int p = 0; p < 16; ++p) {
-      const int c = kNkOrder[p];
-      ds[b * 32 + p] = c < valid ? D[(size_t)c * nb + b] : 0.f;
-      ds[b * 32 + 16 + p] = c < valid ? Mn[(size_t)c * nb + b] : 0.f;
-    }
+  // d, m of block b in kNkOrder: gathered (stride nb), the missing columns of a partial group 0
+  const __m512i gidx = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15), _mm512_set1_epi32(nb));
+  __mmask16 gmask = 0;
+  for (int p = 0; p < 16; ++p)
+    if (kNkOrder[p] < valid) gmask |= (__mmask16)(1u << p);
   const __m512 nz = _mm512_set1_ps(-0.0f);
   for (int m = 0; m < M; ++m) _mm512_store_ps(yp + 16 * m, nz);
   for (int b = 0; b < nb; ++b) {
     const uint8_t* cb = codes + (size_t)b * kB;
-    if (g_pf > 0 && b + g_pf < nb && ((b + g_pf) & 1) == 0)
-      for (int c = 0; c < 16; ++c)
-        _mm_prefetch((const char*)(cb + (size_t)c * K + (size_t)g_pf * kB), _MM_HINT_T0);
+    if (ahead) {  // 16 K bytes = 8 lines per block
+      const char* pb = (const char*)(ahead + (size_t)b * 512);
+      if (g_pfg_hint)
+        for (int i = 0; i < 8; ++i) _mm_prefetch(pb + 64 * i, _MM_HINT_T1);
+      else
+        for (int i = 0; i < 8; ++i) _mm_prefetch(pb + 64 * i, _MM_HINT_T0);
+    }
     __m512i W[8];
     for (int p = 0; p < 8; ++p)
       W[p] = _mm512_inserti64x4(
           _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(cb + (2 * p) * K))),
           _mm256_loadu_si256((const __m256i*)(cb + (2 * p + 1) * K)), 1);
-    const __m512 d = _mm512_load_ps(ds + b * 32), mn = _mm512_load_ps(ds + b * 32 + 16);
+    transpose8x8x2(W);
+    const __m512 d = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), gmask, gidx, D + b, 4);
+    const __m512 mn = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), gmask, gidx, Mn + b, 4);
     for (int m = 0; m < M; ++m) {
       const size_t o = (size_t)m * K + (size_t)b * kB, os = (size_t)m * nb + b;
-      const __m512i x1 = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(a.q1 + o)));
-      const __m512i x2 = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(a.q2 + o)));
-      __m512i acc[8];
-      for (int p = 0; p < 8; ++p) acc[p] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), W[p], x1);
-      const __m512i I1 = reduce16(acc);
-      for (int p = 0; p < 8; ++p) acc[p] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), W[p], x2);
-      const __m512i I2 = reduce16(acc);
+      const int8_t* q1 = a.q1 + o;
+      const int8_t* q2 = a.q2 + o;
+      __m512i a1[2], a2[2];
+      a1[0] = a1[1] = a2[0] = a2[1] = _mm512_setzero_si512();
+      for (int q = 0; q < 8; ++q) {
+        int32_t v1, v2;
+        std::memcpy(&v1, q1 + 4 * q, 4);
+        std::memcpy(&v2, q2 + 4 * q, 4);
+        a1[q & 1] = _mm512_dpbusd_epi32(a1[q & 1], W[q], _mm512_set1_epi32(v1));
+        a2[q & 1] = _mm512_dpbusd_epi32(a2[q & 1], W[q], _mm512_set1_epi32(v2));
+      }
+      const __m512i I1 = _mm512_add_epi32(a1[0], a1[1]), I2 = _mm512_add_epi32(a2[0], a2[1]);
       __m512 t1 = _mm512_mul_ps(_mm512_set1_ps(a.s1[os]), _mm512_cvtepi32_ps(I1));
       __m512 t2 = _mm512_mul_ps(_mm512_set1_ps(a.s2[os]), _mm512_cvtepi32_ps(I2));
       __m512 v = _mm512_mul_ps(d, _mm512_add_ps(t1, t2));
@@ -453,7 +501,7 @@ __attribute__((target(T_AVX512))) static void nk_group_vnni(const Act& a, const 
     }
   }
   // position of column c in kNkOrder
-  const __m512i back = _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+  const __m512i back = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
   for (int m = 0; m < M; ++m) {
     __m512 v = _mm512_permutexvar_ps(back, _mm512_load_ps(yp + 16 * m));
     if (valid == 16)
@@ -484,8 +532,8 @@ __attribute__((target(T_AVX2))) static void kn_tile_avx2(const Act& a, const uin
   for (size_t i = 0; i < (size_t)M * 2; ++i) _mm256_store_ps(yp + 8 * i, nz);
   for (int b = 0; b < nb; ++b) {
     const uint8_t* cb = codes + (size_t)b * kB * ldc;
-    if (g_pf > 0 && b + g_pf < nb) {
-      const uint8_t* pb = cb + (size_t)g_pf * kB * ldc;
+    if (g_pfb > 0 && b + g_pfb < nb) {
+      const uint8_t* pb = cb + (size_t)g_pfb * kB * ldc;
       for (int k = 0; k < kB; ++k) _mm_prefetch((const char*)(pb + k * ldc), _MM_HINT_T0);
     }
     for (int p = 0; p < 16; ++p) {
@@ -550,9 +598,9 @@ __attribute__((target(T_AVX2))) static void nk_group_avx2(const Act& a, const ui
   for (int m = 0; m < M; ++m) _mm256_store_ps(yp + 8 * m, nz);
   for (int b = 0; b < nb; ++b) {
     const uint8_t* cb = codes + (size_t)b * kB;
-    if (g_pf > 0 && b + g_pf < nb && ((b + g_pf) & 1) == 0)
+    if (g_pfb > 0 && b + g_pfb < nb && ((b + g_pfb) & 1) == 0)
       for (int c = 0; c < 8; ++c)
-        _mm_prefetch((const char*)(cb + (size_t)c * K + (size_t)g_pf * kB), _MM_HINT_T0);
+        _mm_prefetch((const char*)(cb + (size_t)c * K + (size_t)g_pfb * kB), _MM_HINT_T0);
     for (int c = 0; c < 8; ++c) {
       const uint8_t* r = cb + (size_t)c * K;
       W[2 * c] = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)r));
@@ -612,29 +660,37 @@ static void run_kn(const Act& a, const uint8_t* codes, const float* scale, int N
   const int K = a.K, nb = a.nb;
   const float* D = scale;
   const float* Mn = scale + (size_t)nb * N;
-  for (int n = n0; n < n1; n += T) {
-    const int valid = std::min(T, n1 - n);
-    const uint8_t* c = codes + n;
-    const float* d = D + n;
-    const float* mn = Mn + n;
-    size_t ldc = N, lds = N;
-    if (valid < T) {  // the last, partial tile: a zero-padded copy, the same code
-      uint8_t* pc = s.pad_codes.get((size_t)K * T);
-      float* ps = s.pad_scale.get((size_t)2 * nb * T);
-      for (int k = 0; k < K; ++k) {
-        std::memset(pc + (size_t)k * T, 0, T);
-        std::memcpy(pc + (size_t)k * T, codes + (size_t)k * N + n, valid);
-      }
-      for (int b = 0; b < 2 * nb; ++b) {
-        std::memset(ps + (size_t)b * T, 0, sizeof(float) * T);
-        std::memcpy(ps + (size_t)b * T, scale + (size_t)b * N + n, sizeof(float) * valid);
-      }
-      c = pc, d = ps, mn = ps + (size_t)nb * T, ldc = T, lds = T;
+  const int full = (n1 - n0) / T;  // whole tiles
+  if (isa == kAvx512Vnni && full > 0) {
+    // chunks of C tiles: the chunk's permuted y (M x 64 C floats) within g_ybudget bytes
+    const int C = (int)std::max<int64_t>(1, std::min<int64_t>(full, g_ybudget / ((int64_t)a.M * 256)));
+    for (int t = 0; t < full; t += C) {
+      const int c = std::min(C, full - t);
+      const int n = n0 + T * t;
+      kn_chunk_vnni(a, codes + n, N, D + n, Mn + n, N, c, y + n, N, T * c, s.kn);
+    }
+  } else if (full > 0) {
+    for (int t = 0; t < full; ++t) {
+      const int n = n0 + T * t;
+      kn_tile_avx2(a, codes + n, N, D + n, Mn + n, N, y + n, N, T, s.avx2);
+    }
+  }
+  const int n = n0 + T * full, valid = n1 - n;
+  if (valid > 0) {  // the last, partial tile: a zero-padded copy, the same code
+    uint8_t* pc = s.pad_codes.get((size_t)K * T);
+    float* ps = s.pad_scale.get((size_t)2 * nb * T);
+    for (int k = 0; k < K; ++k) {
+      std::memset(pc + (size_t)k * T, 0, T);
+      std::memcpy(pc + (size_t)k * T, codes + (size_t)k * N + n, valid);
+    }
+    for (int b = 0; b < 2 * nb; ++b) {
+      std::memset(ps + (size_t)b * T, 0, sizeof(float) * T);
+      std::memcpy(ps + (size_t)b * T, scale + (size_t)b * N + n, sizeof(float) * valid);
     }
     if (isa == kAvx512Vnni)
-      kn_tile_vnni(a, c, ldc, d, mn, lds, y + n, N, valid, s.kn);
+      kn_chunk_vnni(a, pc, T, ps, ps + (size_t)nb * T, T, 1, y + n, N, valid, s.kn);
     else
-      kn_tile_avx2(a, c, ldc, d, mn, lds, y + n, N, valid, s.avx2);
+      kn_tile_avx2(a, pc, T, ps, ps + (size_t)nb * T, T, y + n, N, valid, s.avx2);
   }
 }
 
@@ -656,7 +712,9 @@ static void run_nk(const Act& a, const uint8_t* codes, const float* scale, int N
       c = pc;
     }
     if (isa == kAvx512Vnni)
-      nk_group_vnni(a, c, D + (size_t)n * nb, Mn + (size_t)n * nb, y + n, N, valid, s.nk);
+      nk_group_vnni(a, c, D + (size_t)n * nb, Mn + (size_t)n * nb, y + n, N, valid,
+                    g_pfg > 0 && n + T * (g_pfg + 1) <= n1 ? codes + (size_t)(n + T * g_pfg) * K : nullptr,
+                    s.nk);
     else
       nk_group_avx2(a, c, D + (size_t)n * nb, Mn + (size_t)n * nb, y + n, N, valid, s.avx2);
   }
