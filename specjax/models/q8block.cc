@@ -17,7 +17,8 @@
 // y is accumulated from -0.0f: -0.0f + c == c bitwise, so "y = c at b = 0, then y + c" holds.
 //
 // Handlers: Q8BlockKN, Q8BlockNK: (x f32[M,K], codes u8, scale f32) -> y f32[M,N]; attribute
-// threads (int64): number of threads over N (1: the calling thread only).
+// threads (int64): the most threads over N (1: the calling thread only); calls of fewer than
+// SPECJAX_Q8_MIN_PAR_WORK (2^24) multiply-adds M K N run on the calling thread whatever it says.
 // K must be a multiple of 32 (the Python wrapper uses the jnp reference otherwise).
 
 #include <immintrin.h>
@@ -65,6 +66,9 @@ static const int g_pf = env_int("SPECJAX_Q8_PF", 4);
 // KN (VNNI): bytes of the permuted-y scratch of one chunk of column tiles
 static const int g_pfb = env_int("SPECJAX_Q8_PFB", 2);  // AVX2: in blocks
 static const int g_pf_linear = env_int("SPECJAX_Q8_PFLIN", 1);  // KN (VNNI): next block's rows
+// threads > 1 only for calls of at least this many multiply-adds (M K N)
+static const int64_t g_min_par_work = env_int("SPECJAX_Q8_MIN_PAR_WORK", 1 << 24);
+static const int g_pf_scales = env_int("SPECJAX_Q8_PFS", 1);  // KN linear: also d, m
 static const int g_pfg = env_int("SPECJAX_Q8_PFG", 1);  // NK (VNNI): groups of 16 rows ahead
 static const int g_pfg_hint = env_int("SPECJAX_Q8_PFG_T1", 0);
 static const int64_t g_ybudget = env_int("SPECJAX_Q8_YBUDGET", 256 << 10);
@@ -352,6 +356,14 @@ __attribute__((target(T_AVX512))) static void kn_chunk_vnni(const Act& a, const 
         if (b + 1 < nb) {
           const uint8_t* pb = codes + (size_t)(b + 1) * kB * ldc + (size_t)t * kB * 64;
           for (int i = 0; i < kB; ++i) _mm_prefetch((const char*)(pb + 64 * i), _MM_HINT_T1);
+          if (g_pf_scales) {
+            const float* pd = D + (size_t)(b + 1) * lds + 64 * t;
+            const float* pm = Mn + (size_t)(b + 1) * lds + 64 * t;
+            for (int i = 0; i < 4; ++i) {
+              _mm_prefetch((const char*)(pd + 16 * i), _MM_HINT_T1);
+              _mm_prefetch((const char*)(pm + 16 * i), _MM_HINT_T1);
+            }
+          }
         }
       } else if (g_pf > 0) {  // the lines of the tile g_pf tiles ahead (in the next block after the last)
         int tb = b, tt = t + g_pf;
@@ -773,7 +785,9 @@ static ffi::Error impl(bool nk, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> co
   };
   const int T = tile_width(isa, nk);
   const int64_t ntiles = (N + T - 1) / T;
-  const int nthr = (int)std::max<int64_t>(1, std::min<int64_t>(threads, ntiles));
+  // a second thread only pays for large calls (prefill): smaller ones run on the calling thread
+  const int64_t want = M * K * N >= g_min_par_work ? threads : 1;
+  const int nthr = (int)std::max<int64_t>(1, std::min<int64_t>(want, ntiles));
   if (nthr == 1) {
     run(0, (int)N);
     return ffi::Error::Success();
