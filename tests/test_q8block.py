@@ -229,3 +229,30 @@ def test_kernel_builds_once_into_the_cache(kernel, tmp_path, monkeypatch):
     mtime = os.stat(path).st_mtime_ns
     assert q8.build() == path and os.stat(path).st_mtime_ns == mtime
     assert not [f for f in os.listdir(os.path.dirname(path)) if f.endswith(".tmp")]
+
+
+def test_without_a_compiler_the_reference_is_used_with_one_note(tmp_path):
+    """No C++ compiler on PATH (and an empty cache): available() is False, one note line names the
+    reason, and block_matmul is the reference (the same bits)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import numpy as np, jax\n"
+        "from specjax.models import q8\n"
+        "rng = np.random.default_rng(0)\n"
+        "x = rng.standard_normal((2, 64)).astype(np.float32)\n"
+        "c = rng.integers(0, 256, (64, 48), dtype=np.uint8)\n"
+        "s = (rng.standard_normal((2, 2, 48)) * 0.01).astype(np.float32)\n"
+        "assert not q8.available() and not q8.available()\n"
+        "y = np.asarray(jax.jit(q8.block_matmul)(x, c, s))\n"
+        "assert np.array_equal(y.view(np.int32), q8.block_matmul_np(x, c, s).view(np.int32))\n"
+        "print('ok')\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(q8.__file__))))
+    env = dict(os.environ, PATH=str(tmp_path), SPECJAX_CACHE_DIR=str(tmp_path / "cache"),
+               PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    env.pop("CXX", None)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+    notes = [line for line in r.stderr.splitlines() if line.startswith("specjax: note:")]
+    assert len(notes) == 1 and "compiler" in notes[0], r.stderr[-2000:]

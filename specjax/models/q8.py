@@ -154,9 +154,19 @@ def unavailable_reason() -> str | None:
     return _load()[1]
 
 
+@functools.lru_cache(maxsize=None)
+def _backend_note(backend: str) -> None:
+    _note(f"the block int8 CPU kernel is not used on the {backend} backend; using the jnp reference")
+
+
 def available() -> bool:
-    """Whether :func:`block_matmul` runs the kernel (built and loaded, default backend CPU)."""
-    return jax.default_backend() == "cpu" and load() is not None
+    """Whether :func:`block_matmul` runs the kernel (built and loaded, default backend CPU). When
+    not, one ``specjax: note:`` line on stderr says why (once per process)."""
+    backend = jax.default_backend()
+    if backend != "cpu":
+        _backend_note(backend)
+        return False
+    return load() is not None
 
 
 def isa() -> str | None:
