@@ -2,7 +2,8 @@
 
 A matmul-only model: 30 x [576->960 qkv, 576->576 o, 576->3072 gate_up, 1536->576 down] (KN) and the
 tied-embedding head 49152 x 576 (NK), the layers chained with tanh so that nothing is hoisted.
-Variants, interleaved in every round (so they see the same background load):
+Variants, interleaved in every round (so they see the same background load; the order rotates from
+round to round):
 
   f32      float32 ``x @ w`` (the head ``x @ E.T``)
   q8_1t    the kernel, one thread (the default)
@@ -91,8 +92,10 @@ def bench(fns, args, reps, warm=2):
     for f in fns.values():
         for _ in range(warm):
             f(*args).block_until_ready()
-    for _ in range(reps):
-        for k, f in fns.items():
+    keys = list(fns)
+    for r in range(reps):
+        for k in keys[r % len(keys):] + keys[:r % len(keys)]:  # rotated: no variant always follows another
+            f = fns[k]
             t = time.perf_counter()
             f(*args).block_until_ready()
             times[k].append((time.perf_counter() - t) * 1e3)
