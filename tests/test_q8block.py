@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from specjax.models import q8
+from specjax.models.weights import dequantize_int8
 
 X86_LINUX = platform.system() == "Linux" and platform.machine().lower() in ("x86_64", "amd64")
 HAS_CXX = any(shutil.which(c) for c in (os.environ.get("CXX") or "g++", "g++", "c++"))
@@ -194,7 +195,7 @@ def test_quantize_blocks_round_trip():
         B = -(-shape[axis] // 32)
         assert codes.dtype == np.uint8 and codes.shape == w.shape
         assert scale.dtype == np.float32 and scale.shape == (2,) + shape[:axis] + (B,) + shape[axis + 1:]
-        back = q8.dequantize_blocks(codes, scale, axis)
+        back = dequantize_int8(codes, scale, axis)
         d = np.repeat(scale[0], 32, axis=axis).take(np.arange(shape[axis]), axis=axis)
         assert np.all(np.abs(w - back) <= d / 2 * (1 + 1e-3) + 1e-7)
         cj, sj = jax.jit(q8.quantize_blocks, static_argnums=1)(jnp.asarray(w), axis)
@@ -213,7 +214,7 @@ def test_quantize_blocks_is_exact_on_q4_1_weights():
     w = (dq * q + mq).astype(np.float32).reshape(K, N)
     codes, scale = q8.quantize_blocks(w, 0)
     assert np.array_equal(codes.reshape(K // 32, 32, N), (q * 17).astype(np.uint8))
-    assert np.allclose(q8.dequantize_blocks(codes, scale, 0), w, rtol=0, atol=1e-6)
+    assert np.allclose(dequantize_int8(codes, scale, 0), w, rtol=0, atol=1e-6)
     # codes of GGUF blocks are used exactly: the matmul of the codes is the float matmul of w up
     # to the activations' two-level rounding
     x = rng.standard_normal((2, K)).astype(np.float32)

@@ -90,10 +90,7 @@ def matmul(x, w, scale=None, transposed=False):
     x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     if w.dtype == jnp.uint8:
         out = w.shape[:1] if transposed else w.shape[1:]
-        w2 = w if transposed else w.reshape(w.shape[0], -1)
-        s2 = scale if transposed else scale.reshape(2, scale.shape[1], -1)
-        y = q8.block_matmul(x2, w2, s2, transposed=transposed)
-        return y.reshape(*lead, *out)
+        return q8.block_matmul(x2, w, scale, transposed=transposed).reshape(*lead, *out)
     contract = ((1,), (1,)) if transposed else ((1,), (0,))
     dn = (contract, ((), ()))
 

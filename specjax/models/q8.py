@@ -356,14 +356,3 @@ def quantize_blocks(w, axis: int = 0):
     codes = xp.moveaxis(codes, 0, axis)
     scale = xp.stack([xp.moveaxis(d, 0, axis), xp.moveaxis(lo.astype(f32), 0, axis)])
     return codes, scale
-
-
-def dequantize_blocks(codes, scale, axis: int = 0):
-    """``d * codes + m`` (float32, numpy), the inverse of :func:`quantize_blocks` up to rounding."""
-    codes = np.asarray(codes)
-    scale = np.asarray(scale, np.float32)
-    axis = axis % codes.ndim
-    K = codes.shape[axis]
-    d = np.repeat(scale[0], BLOCK, axis=axis).take(np.arange(K), axis=axis)
-    m = np.repeat(scale[1], BLOCK, axis=axis).take(np.arange(K), axis=axis)
-    return (d * codes.astype(np.float32) + m).astype(np.float32)

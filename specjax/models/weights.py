@@ -379,23 +379,9 @@ def quantize_int8(w, axis: int):
     Returns:
       ``(codes uint8 of w.shape, scale float32 of`` :func:`scale_shape` ``)``.
     """
-    w = jnp.asarray(w, jnp.float32)
-    axis %= w.ndim
-    k = w.shape[axis]
-    nb = -(-k // QUANT_BLOCK)
-    wm = jnp.moveaxis(w, axis, -1)
-    if nb * QUANT_BLOCK != k:  # a partial last block: padded with copies of its first element
-        pad = jnp.repeat(wm[..., (nb - 1) * QUANT_BLOCK:(nb - 1) * QUANT_BLOCK + 1], nb * QUANT_BLOCK - k, axis=-1)
-        wm = jnp.concatenate([wm, pad], axis=-1)
-    wb = wm.reshape(*wm.shape[:-1], nb, QUANT_BLOCK)
-    lo = jnp.min(wb, axis=-1)
-    d = (jnp.max(wb, axis=-1) - lo) / 255.0
-    safe = jnp.where(d > 0, d, 1.0)
-    codes = jnp.clip(jnp.round((wb - lo[..., None]) / safe[..., None]), 0, 255)
-    codes = jnp.where(d[..., None] > 0, codes, 0).astype(jnp.uint8)
-    codes = jnp.moveaxis(codes.reshape(*wm.shape[:-1], nb * QUANT_BLOCK)[..., :k], -1, axis)
-    scale = jnp.stack([jnp.moveaxis(d, -1, axis), jnp.moveaxis(lo, -1, axis)]).astype(jnp.float32)
-    return codes, scale
+    from specjax.models import q8  # the arithmetic's one home (the kernel's module)
+
+    return q8.quantize_blocks(jnp.asarray(w, jnp.float32), axis)
 
 
 class BlockCodes(NamedTuple):
