@@ -173,9 +173,9 @@ SHIPPED_DEFAULT_MODEL: dict[str, dict] = {
     FORMAT_DEFINITION["bfloat16"]: {
         "mean_kl": 0.000288, "top1_agreement": 1.0, "disagreements": 0, "near_tie_disagreements": 0,
         "positions": 192, "prompts": 8, "new_tokens": 24, "faithful": True},
-    FORMAT_DEFINITION["int8"]: {
-        "mean_kl": 0.0458, "top1_agreement": 0.9115, "disagreements": 17, "near_tie_disagreements": 5,
-        "positions": 192, "prompts": 8, "new_tokens": 24, "faithful": False},
+    FORMAT_DEFINITION["int8"]: {  # the GGUF's Q4_1/Q8_0 blocks kept exactly x two-level activations
+        "mean_kl": 0.0000799, "top1_agreement": 1.0, "disagreements": 0, "near_tie_disagreements": 0,
+        "positions": 192, "prompts": 8, "new_tokens": 24, "faithful": True},
 }
 
 
