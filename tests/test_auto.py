@@ -512,12 +512,18 @@ def test_alpha_continuation_stays_inside_the_context():
     assert rep["positions"] <= 3
 
 
-def test_dtype_auto_predicts_float32_for_the_default_model_on_a_cpu(tmp_path, monkeypatch):
-    """``predict=True`` (generate): the default model on a CPU runs float32 (faithful by
-    construction; bfloat16 on GPU/TPU) without measuring, until this host has cached the fidelity of every candidate
-    and the speed of the faithful ones; then the cached measurement wins; other models measure."""
+def test_dtype_auto_predicts_int8_for_the_default_model_on_an_x86_cpu(tmp_path, monkeypatch):
+    """``predict=True`` (generate): the default model on an x86 CPU with the int8 kernel runs int8
+    (measured faithful, issue 26), on other CPUs float32 (faithful by construction), on GPU/TPU
+    bfloat16 — without measuring, until this host has cached the fidelity of every candidate and the
+    speed of the faithful ones; then the cached measurement wins; a format this host measured
+    unfaithful is never predicted; other models measure."""
+    from specjax.models import q8
+
     x86 = {"backend": "cpu", "machine": "x86_64", "cpu_flags": ["avx", "avx2"]}
-    assert measure.predicted_format(["float32", "bfloat16", "int8"], "default", x86)[0] == "float32"
+    want = "int8" if q8.available() else "float32"
+    assert measure.predicted_format(["float32", "bfloat16", "int8"], "default", x86)[0] == want
+    assert measure.predicted_format(["float32", "bfloat16"], "default", x86)[0] == "float32"
     assert measure.predicted_format(["float32", "bfloat16", "int8"], None, dict(x86, machine="aarch64"))[0] == "float32"
     assert measure.predicted_format(["float32", "bfloat16", "int8"], None, dict(x86, backend="gpu"))[0] == "bfloat16"
     assert measure.predicted_format(["float32", "bfloat16", "int8"], None, dict(x86, backend="tpu"))[0] == "bfloat16"
@@ -529,12 +535,12 @@ def test_dtype_auto_predicts_float32_for_the_default_model_on_a_cpu(tmp_path, mo
     calls = fake_steps(monkeypatch, {"float32": 30.0, "bfloat16": 20.0, "int8": 10.0})
     cache = HostCache(str(tmp_path / "cache"))
     fmt, info, model = measure.fastest_format("default", cache=cache, predict=True)
-    assert (fmt, model, info["step_ms"]) == ("float32", None, {})
-    assert "faithful by construction" in info["source"]["predicted"]
+    assert (fmt, model, info["step_ms"]) == (want, None, {})
+    assert ("measured faithful" if want == "int8" else "faithful by construction") in info["source"]["predicted"]
     assert not calls and not fid
     from specjax.cli.common import auto_dtype_line
 
-    assert "--dtype auto chose float32 (predicted" in auto_dtype_line(fmt, info)
+    assert f"--dtype auto chose {want} (predicted" in auto_dtype_line(fmt, info)
     # measurements in the cache (fidelity of both candidates, speed of the faithful ones) win over the rule
     stored = {"bfloat16": {"mean_kl": 1e-4, "top1_agreement": 1.0, "faithful": True},
               "int8": {"mean_kl": 0.05, "top1_agreement": 0.86, "faithful": False}}
@@ -587,7 +593,7 @@ def test_fidelity_measured_once_then_cached(tmp_path, monkeypatch):
     assert ran == ["int8"] and not a["source"]["cached"] and b["source"]["cached"] and not b["faithful"]
     assert fidelity.known(target, "int8", cache)["mean_kl"] == 0.04
     assert fidelity.known(target, "bfloat16", cache) is None  # not measured, not the default model
-    assert fidelity.known(None, "int8", None)["faithful"] is False  # shipped for the default model
+    assert fidelity.known(None, "int8", None)["faithful"] is True  # shipped for the default model (issue 26)
 
 
 def test_fidelity_compare_on_a_tiny_model():

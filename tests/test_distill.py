@@ -186,7 +186,7 @@ def test_shipped_drafter_default_model(default_model):
     assert sp.stats[0]["accepted_tokens"] > 0
     # the int8 weight format: still exact, still accepting
     d8 = load_drafter("default", default_model, dtype="int8")
-    assert d8.params["frozen"]["head"].dtype == jnp.int8
+    assert d8.params["frozen"]["head"].dtype == jnp.uint8
     s8 = Decoder(default_model, d8, 1).generate([ids], max_new_tokens=24)
     assert s8.tokens == ar.tokens
     assert s8.stats[0]["accepted_tokens"] > 0

@@ -128,8 +128,8 @@ def test_eagle_int8_format_and_head_orientation():
     cfg = eagle.EagleConfig.for_target(target.config, 64, 48)
     params = {"train": eagle.init_params(cfg, 5), "frozen": eagle.frozen_params(target, np.arange(0, V, 2))}
     q = eagle.quantize_params(params)
-    assert q["train"]["fc"].dtype == jnp.int8 and q["frozen"]["head"].dtype == jnp.int8
-    assert all(q["train"]["layer"][k].dtype == jnp.int8 and k + "_scale" in q["train"]["layer"]
+    assert q["train"]["fc"].dtype == jnp.uint8 and q["frozen"]["head"].dtype == jnp.uint8
+    assert all(q["train"]["layer"][k].dtype == jnp.uint8 and k + "_scale" in q["train"]["layer"]
                for k in eagle.layer_matmuls())
     assert params["train"]["fc"].dtype == jnp.float32  # the float32 parameters are not touched
     d = cfg.hidden_size

@@ -123,21 +123,27 @@ def _same_config(a, b):
 
 
 def _check_int8_and_sharding(cfg, params8, quantized, plain):
-    """``quantized`` weights are int8 with a float32 ``_scale`` on the weight's output axis,
-    ``plain`` ones stay float32 without a scale; every one gets its sharding from the table."""
+    """``quantized`` weights are int8 codes with a float32 ``_scale`` (``[2, blocks of the input
+    axis, output axes]``), ``plain`` ones stay float32 without a scale; every one gets its sharding
+    from the table (a scale its weight's, the blocks split where whole blocks fall on each device)."""
     flat = _flat(params8)
     for path, v in flat.items():
         name = path[-1]
         if name in quantized:
-            assert v.dtype == jnp.int8, path
+            assert v.dtype == jnp.uint8, path
             assert path[:-1] + (name + "_scale",) in flat, path
         if name in plain:
             assert v.dtype == jnp.float32 and path[:-1] + (name + "_scale",) not in flat, path
         base = name[:-len("_scale")] if name.endswith("_scale") else name
         spec = llama.weight_spec(base)
         assert spec is not None, path
-        axes = spec.scale_axes if name.endswith("_scale") else spec.logical_axes
-        want = tuple(sharding.AXIS_RULES.get(a) if a else None for a in axes)  # the tiny sizes divide 2
+        want = tuple(sharding.AXIS_RULES.get(a) if a else None for a in spec.logical_axes)  # the tiny sizes divide 2
+        if name.endswith("_scale"):
+            q = spec.quant_axis
+            k = spec.shape(cfg)[q]
+            whole = want[q] is not None and k % 32 == 0 and (k // 32) % 2 == 0
+            want = (None,) + want[:q] + (want[q] if whole else None,) + want[q + 1:]
+            assert v.shape == weights.scale_shape(spec.shape(cfg), q), path
         assert tuple(sharding.param_spec(path, v.shape, cfg, MESH)) == want, path
 
 
@@ -213,12 +219,12 @@ def test_a_weight_added_to_the_table_is_loaded_sharded_and_quantized(tmp_path, e
     m8 = load_model(path, dtype="int8")
     _check_int8_and_sharding(m8.config, m8.params, quantized=("w_extra",), plain=("extra_norm",))
     assert tuple(sharding.param_spec(("layers", 0, "w_extra"), (64, 128), m.config, MESH)) == (None, "model")
-    assert tuple(sharding.param_spec(("layers", 0, "w_extra_scale"), (128,), m.config, MESH)) == ("model",)
+    assert tuple(sharding.param_spec(("layers", 0, "w_extra_scale"), (2, 2, 128), m.config, MESH)) == (None, None, "model")
     assert sharding.PARAM_LOGICAL_AXES["w_extra"] == (None, "mlp") and "extra_norm" in sharding.PARAM_LOGICAL_AXES
     q, s = llama.quantize_int8(_flat(back.params)[("layers", 0, "w_extra")], 0)
     np.testing.assert_array_equal(np.asarray(_flat(m8.params)[("layers", 0, "w_extra")]), np.asarray(q))
     deq = dict(float_tensors(m8))[("layers", 0, "w_extra")]
-    np.testing.assert_allclose(np.asarray(deq), np.asarray(q, np.float32) * np.asarray(s)[None, :], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(deq), np.asarray(llama.dequantize_int8(q, s, 0)), rtol=1e-6)
 
 
 def test_without_the_entry_the_tensor_is_refused(tmp_path, monkeypatch):

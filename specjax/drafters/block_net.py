@@ -266,7 +266,7 @@ def train_forward(cfg: BlockConfig, params: dict, feats, tokens, anchors, gamma:
 
 def quantize_params(params: dict) -> dict:
     """The ``int8`` format of a block drafter's ``{"train", "frozen"}`` parameters: ``fuse``, the
-    layers' matrices and the sub-vocabulary head become per-output-channel int8 with a float32
+    layers' matrices and the sub-vocabulary head become 8-bit block codes with a float32
     ``<name>_scale`` (:func:`specjax.models.llama.quantize_int8`); norms, ``mask_embed`` and the
     embedding stay float32. q stays exactly what is sampled (exactness does not depend on it)."""
     tp = dict(params["train"])

@@ -167,7 +167,7 @@ def target_embed(target) -> jax.Array:
     e = target.params["embed"][...]
     scale = _value(target.params, "embed_scale")
     if scale is not None:
-        return e.astype(jnp.float32) * scale[:, None]
+        return llama.dequantize_int8(e, scale, 1)
     return e if e.dtype == jnp.float32 else e.astype(jnp.float32)
 
 
@@ -183,7 +183,7 @@ def frozen_params(target, sub_ids) -> dict:
         w = target.params["lm_head"][...].astype(jnp.float32)
         scale = _value(target.params, "lm_head_scale")
         if scale is not None:
-            w = w * scale[None, :]
+            w = llama.dequantize_int8(target.params["lm_head"][...], scale, 0)
         head = jnp.take(w, sub_ids, axis=1).T
         return {"embed": emb, "head": jnp.asarray(head, jnp.float32), "sub_ids": sub_ids, "out_embed": w.T}
     return {"embed": emb, "head": jnp.asarray(head, jnp.float32), "sub_ids": sub_ids}
@@ -193,10 +193,9 @@ def quantize_params(params: dict) -> dict:
     """The ``int8`` weight format of a drafter's ``{"train", "frozen"}`` parameters.
 
     ``fc`` (and ``fuse``), the block's four matrices (``w_qkv``, ``wo``, ``w_gate_up``, ``w_down``, stored
-    ``[in, *out]``) and the sub-vocabulary head (``[|S|, D]``) become symmetric
-    per-output-channel int8 with a float32 ``<name>_scale``
-    (:func:`specjax.models.llama.quantize_int8`); activations are quantized per row on the
-    fly (:func:`specjax.models.llama.matmul`). Norms, biases, the copy term and the
+    ``[in, *out]``) and the sub-vocabulary head (``[|S|, D]``) become 8-bit codes with a
+    float32 ``<name>_scale`` per block of 32 inputs (:func:`specjax.models.llama.quantize_int8`);
+    activations are quantized per row and block on the fly (:func:`specjax.models.llama.matmul`). Norms, biases, the copy term and the
     embedding used for input lookups stay float32. It lets the drafter run in an int8
     target's format; on the reference CPU a γ = 1 draft call takes about as long as in
     float32 (≈ 2.8 ms: the shipped drafter's weights fit in the L3 cache). The drafter

@@ -164,14 +164,19 @@ def recommend_gamma(target, drafter, prompt_texts: Sequence[str], chat: bool = F
     return recommend(target, drafter, list(prompt_texts), chat=chat, gamma_max=gamma_max, **kw)[0]
 
 
-# Where --dtype auto takes a format without measuring: the default model on a CPU runs float32
-# (faithful by construction) until a measurement on this host (`specjax bench --dtype auto`) has
-# found a faster format that passes the fidelity bar (specjax.eval.fidelity). int8 was predicted
-# here before the bar existed: fastest on every x86 CPU measured, but 86% top-1 agreement with
-# float32 (BENCHMARKS.md, "Weight formats: accuracy against float32"). On GPU/TPU the default model runs
-# bfloat16 (weights and KV cache): the accelerators' native format, measured faithful to this model
-# (KL 0.00029 nats, top-1 100% against float32: BENCHMARKS.md "Issue 26"), half of float32's bytes per step.
+# Where --dtype auto takes a format without measuring (the first rule of the host's backend that
+# names a candidate and whose condition holds). The default model on an x86 CPU runs int8 where its
+# block kernel builds (specjax.models.q8): the GGUF's own Q4_1/Q8_0 blocks kept exactly, two-level
+# activations, measured faithful to this model (KL 8e-5 nats, top-1 100% against float32) and the
+# fastest format on the x86 CPUs measured (BENCHMARKS.md "Issue 26: a faithful fast int8"); elsewhere
+# on a CPU float32 (faithful by construction) until a measurement on this host (`specjax bench
+# --dtype auto`) finds a faster faithful format. The int8 of turns 1-14 (per-channel x per-row) was
+# predicted here before the fidelity bar existed, at 86% top-1 agreement: the bar removed it. On
+# GPU/TPU the default model runs bfloat16 (weights and KV cache): the accelerators' native format,
+# measured faithful (KL 0.00029 nats, top-1 100%), half of float32's bytes per step.
 PREDICTED_FORMATS = (
+    ("cpu", "int8", "int8 keeps the model file's own 4- and 8-bit blocks exactly, was measured faithful to this "
+                    "model (KL 8e-5 nats, top-1 100%) and is the fastest format with its x86 kernel"),
     ("cpu", "float32", "float32 is faithful by construction, and no faster format has been measured faithful on this "
                        "host"),
     ("gpu", "bfloat16", "bfloat16 (weights and KV cache) is the accelerator's native format and was measured faithful "
@@ -190,8 +195,12 @@ def predicted_format(formats: Sequence[str], model=None, host: dict | None = Non
 
     if model not in (None, "default"):
         return None
+    from specjax.models import q8
+
     host = host_fingerprint() if host is None else host
     for backend, fmt, why in PREDICTED_FORMATS:
+        if fmt == "int8" and not (str(host.get("machine", "")).lower() in ("x86_64", "amd64") and q8.available()):
+            continue  # int8's speed is its CPU kernel's (the jnp reference is ~20x slower than float32)
         if host.get("backend") == backend and fmt in formats:
             return fmt, f"predicted: {why}"
     return None
@@ -292,7 +301,7 @@ def _predicted_choice(model, formats: list[str], fid: dict, cache, ident: dict, 
     faithful = [f for f in formats if known and fid[f]["faithful"]]
     if not known or not faithful or cache is None or cache.get("format", _speed_parts(ident, faithful, tokens,
                                                                                       repeats)) is None:
-        guess = predicted_format(formats, model)
+        guess = predicted_format([f for f in formats if fid[f] is None or fid[f]["faithful"]], model)
         if guess is not None:
             src = {"cached": False, "created": None, "seconds": 0.0, "path": None, "predicted": guess[1]}
             unfaithful = [f for f in formats if fid[f] is not None and not fid[f]["faithful"]]

@@ -209,7 +209,7 @@ def step_weight_reads(cfg: ModelConfig, fmt: str, data: int, model: int, rows: i
         if v is None:
             continue
         table += _shard_bytes(v.shape, v.dtype, sharding.param_spec((name,), v.shape, cfg, mesh), sizes)
-        row += int(np.prod(v.shape[1:])) * np.dtype(v.dtype).itemsize
+        row += int(np.prod(v.shape)) // cfg.vocab_size * np.dtype(v.dtype).itemsize  # one vocabulary row's share
     local_rows = -(-cfg.vocab_size // model) if cfg.vocab_size % model == 0 else cfg.vocab_size
     return total - table + min(rows, local_rows) * row
 

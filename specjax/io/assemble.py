@@ -9,6 +9,7 @@ from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from specjax.models import llama
@@ -60,17 +61,25 @@ def assemble_params(
             have[part.name] = arr
             if len(have) < len(spec.parts):
                 continue
-            arr = llama.fuse(spec, cfg, [have.pop(q.name) for q in spec.parts])  # the parts go with the fused copy
-            del pending[path]
+            parts = [have.pop(q.name) for q in spec.parts]  # the parts go with the fused copy
+            if all(isinstance(a, llama.BlockCodes) for a in parts):
+                arr = llama.fuse_blocks(spec, cfg, parts)
+            else:  # float parts, or exact blocks beside float parts: joined as floats
+                arr = llama.fuse(spec, cfg, [_float(a, spec) for a in parts])
+            del parts, pending[path]
         if path not in expected:
             raise CheckpointError(f"{source}: unexpected tensor {param_path_name(path)} (shape {tuple(arr.shape)}) "
                                   f"for a {cfg.model_type} model with this config")
         want = tuple(expected[path].shape)
         if tuple(arr.shape) != want:
             raise CheckpointError(f"{source}: tensor {param_path_name(path)} has shape {tuple(arr.shape)}, expected {want}")
-        items = [(path, arr)]
         spec = llama.weight_spec(path[-1])
-        if dt == "int8" and spec is not None and spec.quant_axis is not None:  # per-channel int8 + float32 scale
+        if isinstance(arr, llama.BlockCodes) and not (dt == "int8" and spec is not None and spec.quant_axis is not None):
+            arr = _float(arr, spec)
+        items = [(path, arr)]
+        if isinstance(arr, llama.BlockCodes):  # a GGUF file's exact blocks (int8 only)
+            items = [(path, arr.codes), (path[:-1] + (path[-1] + "_scale",), arr.scale)]
+        elif dt == "int8" and spec is not None and spec.quant_axis is not None:  # block codes + float32 scales
             q, scale = llama.quantize_int8_blocks(arr, axis=spec.quant_axis)  # no float32 copy of the whole tensor
             items = [(path, q), (path[:-1] + (path[-1] + "_scale",), scale)]
         del arr  # the source tensor goes as soon as it is converted (the next one is read after)
@@ -90,6 +99,13 @@ def assemble_params(
         names = ", ".join(param_path_name(p) for p in missing[:8]) + (" …" if len(missing) > 8 else "")
         raise CheckpointError(f"{source}: {len(missing)} missing tensor(s): {names}")
     return graphdef, state_of(abstract, got)
+
+
+def _float(arr, tensor):
+    """A float32 numpy array of ``arr`` (exact int8 blocks dequantized along their tensor's quant axis)."""
+    if not isinstance(arr, llama.BlockCodes):
+        return arr
+    return np.asarray(llama.dequantize_int8(arr.codes, arr.scale, tensor.quant_axis))
 
 
 class FixedKeys:

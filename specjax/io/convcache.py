@@ -44,9 +44,11 @@ from typing import Callable
 
 import numpy as np
 
+from specjax.core.paths import cache_dir  # noqa: F401  (the rule lives in core: every layer uses it)
+
 # Bump when the conversion's result changes in a way the hashed sources below do not show
 # (they are hashed too, so an edit of them alone needs no bump).
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 2: int8 as 8-bit block codes with scales and offsets (issue 26)
 # The modules whose code decides the converted arrays and the tokenizer (relative to specjax/).
 CONVERTER_SOURCES = ("io/convcache.py", "io/loading.py", "io/assemble.py", "io/hf.py", "io/gguf.py",
                      "io/tokenizer.py", "models/config.py", "models/weights.py", "models/llama.py")
@@ -57,17 +59,6 @@ _SOURCES_KEPT = 256  # remembered file hashes (the least recently stored are dro
 _DIR_SUFFIXES = (".safetensors", ".json", ".jinja", ".txt", ".model")
 _RACY_NS = 3_000_000_000  # a file changed this recently is hashed every time (coarse file-system clocks)
 _DIGESTS: dict = {}  # real path -> {"size", "mtime_ns", "sha256"}, this process's memo
-
-
-def cache_dir() -> str:
-    """``$SPECJAX_CACHE_DIR``, else ``$XDG_CACHE_HOME/specjax``, else ``~/.cache/specjax``: the base
-    of every specjax cache but the compilation cache (``converted/`` here, ``measured/`` for
-    :mod:`specjax.eval.hostcache`)."""
-    if os.environ.get("SPECJAX_CACHE_DIR"):
-        return os.path.expanduser(os.environ["SPECJAX_CACHE_DIR"])
-    if os.environ.get("XDG_CACHE_HOME"):
-        return os.path.join(os.path.expanduser(os.environ["XDG_CACHE_HOME"]), "specjax")
-    return os.path.expanduser("~/.cache/specjax")
 
 
 def enabled() -> bool:

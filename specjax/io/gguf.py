@@ -3,7 +3,9 @@
 llama.cpp's converter permutes the rows of Q and K for the ``llama`` architecture
 (interleaved RoPE); :func:`unpermute_qk` undoes it, after which every tensor equals the
 Hugging Face weight. Quantized tensors (Q4_1, Q8_0, …) are dequantized to float32 by
-``gguf.quants.dequantize``, which returns the HF ``[out, in]`` layout.
+``gguf.quants.dequantize``, which returns the HF ``[out, in]`` layout — except for the int8
+format, which keeps the 8-bit codes and the per-block scale and offset of Q4_0, Q4_1 and Q8_0
+tensors exactly (:func:`block_codes`; zero weight error, issue 26).
 """
 
 from __future__ import annotations
@@ -109,12 +111,49 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, out // n_heads // 2, 2, *rest).swapaxes(1, 2).reshape(out, *rest)
 
 
-def iter_gguf_tensors(reader, cfg: ModelConfig):
+# GGUF block types whose blocks of 32 are exactly int8 codes with a scale and an offset
+# (llama.cpp ggml-common.h): bytes per block, where the scale d (float16) sits, and the codes
+EXACT_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+
+
+def block_codes(data, type_name: str, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The int8 format of a Q4_0 / Q4_1 / Q8_0 tensor's raw blocks, exactly
+    (:func:`specjax.models.weights.quantize_int8`'s layout; ``w = d · code + m`` per block of 32):
+
+    * Q4_1 (d, m float16; 16 bytes of 4-bit codes, element j in the low nibble of byte j, element
+      j + 16 in the high one): codes 0..15, the block's d and m;
+    * Q4_0 (d; 4-bit codes, w = d · (q − 8)): codes q, m = −8 · d;
+    * Q8_0 (d; 32 int8 q, w = d · q): codes q + 128, m = −128 · d.
+
+    Args:
+      data: the tensor's raw bytes (``ReaderTensor.data``, uint8, any shape).
+      k: elements per row (the innermost dimension, a multiple of 32).
+    Returns:
+      ``(codes uint8 [rows, k], scale float32 [2, rows, k / 32])`` in the file's row order.
+    """
+    size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[type_name]
+    raw = np.ascontiguousarray(np.asarray(data, np.uint8)).reshape(-1, size)
+    d = raw[:, 0:2].copy().view(np.float16)[:, 0].astype(np.float32)
+    if type_name == "Q8_0":
+        codes = (raw[:, 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        m = np.float32(-128) * d
+    else:
+        qs = raw[:, 4:20] if type_name == "Q4_1" else raw[:, 2:18]
+        codes = np.concatenate([qs & 15, qs >> 4], axis=1)
+        m = raw[:, 2:4].copy().view(np.float16)[:, 0].astype(np.float32) if type_name == "Q4_1" \
+            else np.float32(-8) * d
+    rows = raw.shape[0] * 32 // k
+    return codes.reshape(rows, k), np.stack([d, m]).reshape(2, rows, k // 32)
+
+
+def iter_gguf_tensors(reader, cfg: ModelConfig, blocks: bool = False):
     """Yield ``(param_path, float32 array in specjax layout)`` for every tensor, one at a time
     (so at most one dequantized tensor is alive besides what the caller keeps). Names,
     transposes and the Q/K row permutation come from the weight table
     (:data:`specjax.models.weights.WEIGHTS`); the parts of a fused weight are yielded at the
     parts' paths (``("layers", i, "wq")``) and fused by :func:`specjax.io.loading.assemble_params`.
+    With ``blocks`` (the int8 format), a matmul weight stored as Q4_0 / Q4_1 / Q8_0 comes as a
+    :class:`specjax.models.weights.BlockCodes` of its exact codes and block scales instead.
 
     Raises:
       CheckpointError: a tensor name this architecture does not have.
@@ -133,9 +172,20 @@ def iter_gguf_tensors(reader, cfg: ModelConfig):
         path, spec, tensor = hit  # tensor: the spec, or the part of a fused weight (path: the part's)
         if spec.tied_to is not None and not spec.present(cfg):
             continue  # a copy of the weight it is tied to
-        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         shape = tuple(tensor.shape(cfg))
         stored = shape[::-1] if tensor.gguf_transpose else shape  # the [out, in] layout of the file
+        if (blocks and spec.quant_axis is not None and t.tensor_type.name in EXACT_BLOCK_TYPES and len(stored) == 2
+                and stored[1] % 32 == 0 and spec.quant_axis == (0 if tensor.gguf_transpose else len(shape) - 1)):
+            codes, scale = block_codes(t.data, t.tensor_type.name, stored[1])
+            if arch_permutes and tensor.gguf_permute is not None:
+                n = getattr(cfg, tensor.gguf_permute)
+                codes = unpermute_qk(codes, n)
+                scale = np.stack([unpermute_qk(s, n) for s in scale])
+            if tensor.gguf_transpose:
+                codes, scale = np.ascontiguousarray(codes.T), np.ascontiguousarray(scale.transpose(0, 2, 1))
+            yield path, llama.BlockCodes(codes, scale)
+            continue
+        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         if w.size == int(np.prod(stored)):
             w = w.reshape(stored)
         if arch_permutes and tensor.gguf_permute is not None:

@@ -216,7 +216,7 @@ def _load_gguf(path: str, fmt: str, dtype, place, max_model_len=None):
     # The reader keeps ~100k small numpy views for the vocabulary/merges fields
     # (~150 MB); drop them before the weights are loaded.
     gguf_loader.drop_fields(reader)
-    graphdef, params = assemble_params(cfg, gguf_loader.iter_gguf_tensors(reader, cfg), dtype, place, path)
+    graphdef, params = assemble_params(cfg, gguf_loader.iter_gguf_tensors(reader, cfg, blocks=_dtype(dtype) == "int8"), dtype, place, path)
     del reader
     return cfg, graphdef, params, tok, name, cache, False
 
@@ -475,15 +475,17 @@ def _local_path(path_or_id):
 
 def float_tensors(model: Model):
     """Yield ``(param path, float32 array)`` for every weight of ``model`` (int8 weights
-    dequantized as ``q * scale``; re-quantizing gives the same int8 values back)."""
+    dequantized as ``d · code + m``, :func:`specjax.models.weights.dequantize_int8`; quantizing
+    them again gives the same codes back, the scales within a rounding)."""
     flat = dict(_flat(nnx.to_pure_dict(model.params)))
     for p, arr in flat.items():
         if p[-1].endswith("_scale"):
             continue
-        a = jnp.asarray(arr, jnp.float32)
         scale = flat.get(p[:-1] + (p[-1] + "_scale",))
         if scale is not None:
-            a = a * jnp.expand_dims(scale, llama.weight_spec(p[-1]).quant_axis)
+            a = llama.dequantize_int8(arr, scale, llama.weight_spec(p[-1]).quant_axis)
+        else:
+            a = jnp.asarray(arr, jnp.float32)
         yield p, a
 
 

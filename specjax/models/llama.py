@@ -46,15 +46,15 @@ from specjax.models.attention import (  # noqa: F401  (the cache and attention, 
 )
 from specjax.models.config import ModelConfig
 from specjax.models.ops import (  # noqa: F401  (the numerics, re-exported)
-    dense, matmul, pairwise_max, pairwise_sum, quantize_rows, rms_norm, rope,
+    dense, dequantize_rows, matmul, pairwise_max, pairwise_sum, rms_norm, rope,
 )
 from specjax.models.params import (  # noqa: F401  (the parameters, re-exported)
     Block, Transformer, module_arrays, param_or_none, abstract_model, flatten_params, init_model, param_bytes, param_shapes,
     unflatten_params, weight_format,
 )
 from specjax.models.weights import (  # noqa: F401  (the table's functions, re-exported)
-    FORMAT_DEFINITION, WEIGHT_FORMATS, Part, WeightSpec, checkpoint_names, fuse, init_weight, layer_weights,
-    matmul_weights, num_params, param_logical_axes, part_of, quantize_int8, quantize_int8_blocks, split, storage_dtype, weight_spec,
+    BlockCodes, FORMAT_DEFINITION, WEIGHT_FORMATS, Part, WeightSpec, checkpoint_names, fuse, init_weight, layer_weights,
+    matmul_weights, num_params, param_logical_axes, part_of, quantize_int8, quantize_int8_blocks, dequantize_int8, fuse_blocks, split, storage_dtype, weight_spec,
 )
 
 
@@ -260,9 +260,9 @@ def embed_tokens(model, tokens, cfg: ModelConfig | None = None):
         # whole [V, D] table to float32 on every call.
         e = jax.lax.optimization_barrier(e)
     e = e.astype(jnp.float32)
-    scale = param_or_none(model, "embed_scale")
+    scale = param_or_none(model, "embed_scale")  # int8: [2, V, D/32] scales and offsets per block
     if scale is not None:
-        e = e * jnp.take(scale, tokens, axis=0)[..., None]
+        e = dequantize_rows(e, jnp.take(scale, tokens, axis=1))
     if cfg is not None and cfg.scale_embeddings:
         e = e * jnp.float32(cfg.hidden_size ** 0.5)
     return e

@@ -1,5 +1,6 @@
 """Batch-invariant numerics of the model: fixed-order pairwise sums and maxima, RMSNorm, the
-matmul of each weight format (int8: per-row activation quantization), RoPE.
+matmul of each weight format (int8: block codes × two-level block activations,
+:mod:`specjax.models.q8`), RoPE.
 
 Each function computes one row the same way whatever the batch or the number of tokens in a
 call (docs/design.md, "Batch invariance"); the attention (:mod:`specjax.models.attention`) and
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from specjax.models import q8
 
 
 def _pairwise(x, axis: int, op, fill):
@@ -61,21 +64,11 @@ def rms_norm(x, w, eps):
 
 
 def _rows_padded(x2d, fn):
-    """Run ``fn`` on ``x2d [M, K]`` with at least 2 rows: XLA CPU's one-row bf16/int8 dot
+    """Run ``fn`` on ``x2d [M, K]`` with at least 2 rows: XLA CPU's one-row bf16 dot
     converts the whole weight to float32 on every call (~8× slower)."""
     if x2d.shape[0] >= 2:
         return fn(x2d)
     return fn(jnp.pad(x2d, ((0, 2 - x2d.shape[0]), (0, 0))))[: x2d.shape[0]]
-
-
-def quantize_rows(x):
-    """Dynamic symmetric int8 per row: ``x [M, K] ≈ q * scale[:, None]``."""
-    # the barrier keeps the division below out of a library reduce fusion (see pairwise_max);
-    # a pairwise maximum over K here costs ~1 ms per step
-    amax = jax.lax.optimization_barrier(jnp.max(jnp.abs(x), axis=-1))
-    scale = jnp.where(amax > 0, amax / 127.0, 1.0)
-    q = jnp.clip(jnp.round(x / scale[:, None]), -127, 127).astype(jnp.int8)
-    return q, scale
 
 
 def matmul(x, w, scale=None, transposed=False):
@@ -87,24 +80,32 @@ def matmul(x, w, scale=None, transposed=False):
     split on any output axis without moving data. Every output column is its own dot over K,
     so fusing weights never mixes rows (batch invariance).
     float32 / bfloat16: the activations are cast to ``w.dtype`` and accumulated in
-    float32 (bf16×bf16 products are exact in float32). int8: activations are quantized
-    per row on the fly, ``int8 × int8 → int32`` (``preferred_element_type``), then
-    rescaled by the row and channel scales — never a float32 copy of the weight.
+    float32 (bf16×bf16 products are exact in float32). int8: ``w`` holds uint8 codes and
+    ``scale [2, blocks, *out]`` (``[2, N, blocks]`` when ``transposed``) the scale and offset of
+    each block of 32 inputs; the activations are quantized per row and block in two levels and
+    the integer block sums rescaled (:func:`specjax.models.q8.block_matmul`: a CPU kernel, or the
+    same arithmetic in jnp) — never a float32 copy of the weight.
     """
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    if w.dtype == jnp.uint8:
+        out = w.shape[:1] if transposed else w.shape[1:]
+        return q8.block_matmul(x2, w, scale, transposed=transposed).reshape(*lead, *out)
     contract = ((1,), (1,)) if transposed else ((1,), (0,))
     dn = (contract, ((), ()))
-    if w.dtype == jnp.int8:
-        def fn(a):
-            q, s = quantize_rows(a)
-            y = jax.lax.dot_general(q, w, dn, preferred_element_type=jnp.int32)
-            return y.astype(jnp.float32) * s.reshape((-1,) + (1,) * (y.ndim - 1)) * scale[None]
-    else:
-        def fn(a):
-            return jax.lax.dot_general(a.astype(w.dtype), w, dn, preferred_element_type=jnp.float32)
+
+    def fn(a):
+        return jax.lax.dot_general(a.astype(w.dtype), w, dn, preferred_element_type=jnp.float32)
     y = _rows_padded(x2, fn) if w.dtype != jnp.float32 else fn(x2)
     return y.reshape(*lead, *y.shape[1:])
+
+
+def dequantize_rows(codes, scale):
+    """Rows of an int8 weight stored ``[rows, K]`` (the embedding), as float32: ``codes [..., K]``
+    (any dtype holding the codes) and their ``scale [2, ..., ceil(K/32)]`` → ``d · code + m``."""
+    k = codes.shape[-1]
+    d, m = (jnp.repeat(scale[i].astype(jnp.float32), 32, axis=-1)[..., :k] for i in (0, 1))
+    return d * codes.astype(jnp.float32) + m
 
 
 def dense(x, w, b=None, scale=None):

@@ -2,7 +2,7 @@
 
 :class:`Transformer` and its :class:`Block` s hold the entries of
 :data:`specjax.models.weights.WEIGHTS` that a config has, in a weight format (float32, bfloat16,
-int8 with per-channel scales); :func:`abstract_model` / :func:`init_model` split them once into
+int8 block codes with scales and offsets); :func:`abstract_model` / :func:`init_model` split them once into
 ``(graphdef, params)``, the pytrees everything else runs on (:func:`specjax.models.llama.apply`).
 Also: the format of a dtype, parameter bytes, and nested-dict (de)flattening for the loaders.
 Re-exported by :mod:`specjax.models.llama`.
@@ -37,8 +37,9 @@ class Block(nnx.Module):
     """One pre-norm decoder block: RMSNorm → GQA attention → RMSNorm → SwiGLU MLP.
 
     Its parameters are the per-layer entries of :data:`specjax.models.weights.WEIGHTS` that
-    ``cfg`` has. Matmul weights are stored ``[in, *out]``; in the int8 format each has a
-    float32 per-output-channel ``<name>_scale`` (shape ``out``).
+    ``cfg`` has. Matmul weights are stored ``[in, *out]``; in the int8 format as uint8 codes
+    with a float32 ``<name>_scale`` (scale and offset per block of 32 inputs,
+    :func:`specjax.models.weights.quantize_int8`).
     """
 
     def __init__(self, cfg: ModelConfig, fmt: str, rngs: nnx.Rngs):
@@ -52,8 +53,8 @@ class Transformer(nnx.Module):
     Call it through :func:`specjax.models.llama.apply`.
 
     ``fmt``: weight format — ``float32``; ``bfloat16`` (bf16 weights, float32
-    accumulation); ``int8`` (per-channel int8 weights × per-row int8 activations,
-    int32 accumulation; norms, biases and scales float32).
+    accumulation); ``int8`` (8-bit weight codes with a scale and offset per block of 32 inputs ×
+    two-level int8 activations per block, int32 block sums; norms, biases and scales float32).
     """
 
     def __init__(self, cfg: ModelConfig, *, fmt: str = "float32", rngs: nnx.Rngs):
@@ -73,7 +74,7 @@ class Transformer(nnx.Module):
 def _fmt(dtype) -> str:
     if isinstance(dtype, str) and dtype in WEIGHT_FORMATS:
         return dtype
-    return {"float32": "float32", "bfloat16": "bfloat16", "int8": "int8"}[jnp.dtype(dtype).name]
+    return {"float32": "float32", "bfloat16": "bfloat16", "int8": "int8", "uint8": "int8"}[jnp.dtype(dtype).name]
 
 
 def abstract_model(cfg: ModelConfig, dtype="float32"):
@@ -95,7 +96,7 @@ def param_shapes(cfg: ModelConfig, dtype="float32") -> dict[tuple, jax.ShapeDtyp
         shape = tuple(spec.shape(cfg))
         arrays = [(spec.name, shape, param_dtype(spec, fmt))]
         if spec.quant_axis is not None and fmt == "int8":
-            arrays.append((spec.name + "_scale", shape[:spec.quant_axis] + shape[spec.quant_axis + 1:], jnp.float32))
+            arrays.append((spec.name + "_scale", weights.scale_shape(shape, spec.quant_axis), jnp.float32))
         for layer in range(cfg.num_layers) if spec.per_layer else [None]:
             for name, shp, dt in arrays:
                 out[spec.path(layer, name)] = jax.ShapeDtypeStruct(shp, dt)

@@ -19,7 +19,7 @@ and whole MLP slices; the matmul contracts ``D`` and keeps the other axes (one d
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,8 +33,10 @@ WEIGHT_FORMATS = ("float32", "bfloat16", "int8")
 FORMAT_DEFINITION = {
     "float32": "float32 weights and activations",
     "bfloat16": "bfloat16 weights, float32 accumulation",
-    "int8": "int8 weights per output channel x int8 activations per row, int32 accumulation",
+    "int8": ("8-bit weight codes with a float32 scale and offset per block of 32 inputs x two-level int8 "
+             "activations per block of 32, int32 block sums"),
 }
+QUANT_BLOCK = 32  # inputs per block of the int8 format (:func:`quantize_int8`; GGUF's Q4_0/Q4_1/Q8_0 blocks)
 
 
 class _Tensor:
@@ -94,9 +96,10 @@ class WeightSpec(_Tensor):
         :data:`specjax.runtime.sharding.AXIS_RULES`).
       init: random initialisation: ``"normal"`` (N(0, 0.02), one key per part), ``"ones"`` or
         ``"zeros"``.
-      quant_axis: a matmul weight: stored in the weight format's matmul dtype, and in int8
-        quantized per channel with a float32 ``<name>_scale`` reduced over this axis (the
-        input dimension). ``None``: not a matmul weight (float32, or bf16 in ``bfloat16``).
+      quant_axis: a matmul weight: stored in the weight format's matmul dtype; in int8 as
+        8-bit codes with a float32 ``<name>_scale`` (scale and offset per block of
+        :data:`QUANT_BLOCK` along this axis, the input dimension; :func:`quantize_int8`).
+        ``None``: not a matmul weight (float32, or bf16 in ``bfloat16``).
       hf_name: Hugging Face safetensors name; ``{i}`` is the layer index. ``None``: none. A
         function of the config where families name the tensor differently.
       hf_transpose: the HF tensor is the transpose of the specjax one (``[out, in]``).
@@ -147,8 +150,10 @@ class WeightSpec(_Tensor):
 
     @property
     def scale_axes(self) -> tuple:
-        """Logical axes of the int8 ``<name>_scale``: the weight's, without ``quant_axis``."""
-        return tuple(a for k, a in enumerate(self.logical_axes) if k != self.quant_axis)
+        """Logical axes of the int8 ``<name>_scale`` (:func:`scale_shape`): ``None`` for the
+        (scale, offset) axis, then the weight's, with ``None`` for the blocks of ``quant_axis``
+        (a block count need not divide a mesh axis; the scales are small)."""
+        return (None,) + tuple(None if k == self.quant_axis else a for k, a in enumerate(self.logical_axes))
 
 
 def _q_out(c: ModelConfig) -> int:
@@ -342,7 +347,7 @@ def storage_dtype(fmt: str):
     except in bfloat16, where every parameter is bf16."""
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {fmt!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
-    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8}[fmt]
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.uint8}[fmt]
 
 
 def param_dtype(spec: WeightSpec, fmt: str):
@@ -354,14 +359,65 @@ def param_dtype(spec: WeightSpec, fmt: str):
     return jnp.bfloat16 if fmt == "bfloat16" else jnp.float32
 
 
+def scale_shape(shape, axis: int) -> tuple:
+    """Shape of the int8 ``<name>_scale`` of a weight of ``shape`` blocked along ``axis``:
+    ``(2,) + shape`` with ``shape[axis]`` replaced by its number of blocks of :data:`QUANT_BLOCK`
+    (the last one partial when it does not divide); ``[0]`` the scales d, ``[1]`` the offsets m."""
+    shape = tuple(shape)
+    axis %= len(shape)
+    return (2,) + shape[:axis] + (-(-shape[axis] // QUANT_BLOCK),) + shape[axis + 1:]
+
+
 def quantize_int8(w, axis: int):
-    """Symmetric per-channel int8: ``w ≈ q * scale`` with ``scale = max|w| / 127`` reduced over
-    ``axis`` (the input dim). Returns ``(q int8, scale float32 with axis removed)``."""
-    w = jnp.asarray(w, jnp.float32)
-    amax = jnp.max(jnp.abs(w), axis=axis)
-    scale = jnp.where(amax > 0, amax / 127.0, 1.0)
-    q = jnp.clip(jnp.round(w / jnp.expand_dims(scale, axis)), -127, 127).astype(jnp.int8)
-    return q, scale.astype(jnp.float32)
+    """The int8 format of a float weight: per block of :data:`QUANT_BLOCK` consecutive elements
+    along ``axis`` (the input dimension), ``w ≈ d · code + m`` with ``m = min``,
+    ``d = (max − min) / 255`` and ``code = round((w − m) / d)`` in 0..255 (round half to even; a
+    constant block has ``d = 0``, codes 0 and is exact). Asymmetric 8 bits per block: the error
+    is at most d/2 per element (measured on the default model: BENCHMARKS.md "Issue 26"). GGUF
+    files' Q4_0 / Q4_1 / Q8_0 blocks are kept exactly instead (:mod:`specjax.io.gguf`).
+
+    Returns:
+      ``(codes uint8 of w.shape, scale float32 of`` :func:`scale_shape` ``)``.
+    """
+    from specjax.models import q8  # the arithmetic's one home (the kernel's module)
+
+    return q8.quantize_blocks(jnp.asarray(w, jnp.float32), axis)
+
+
+class BlockCodes(NamedTuple):
+    """A matmul weight already in the int8 format (a GGUF file's exact Q4_0 / Q4_1 / Q8_0 blocks,
+    :func:`specjax.io.gguf.block_codes`): ``codes`` uint8 of the weight's shape, ``scale`` float32
+    of :func:`scale_shape` (numpy). ``shape`` is the weight's."""
+
+    codes: np.ndarray
+    scale: np.ndarray
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self.codes.shape)
+
+
+def fuse_blocks(spec: "WeightSpec", cfg: ModelConfig, parts: list) -> BlockCodes:
+    """:func:`fuse` of :class:`BlockCodes` parts: the codes as :func:`fuse` joins floats, each scale
+    reshaped to its part's ``view`` with the blocks in place of ``quant_axis`` and joined on the same axis."""
+    codes = fuse(spec, cfg, [p.codes for p in parts])
+    scales = []
+    for part, p in zip(spec.parts, parts):
+        view = list(part.view(cfg))
+        view[spec.quant_axis] = -1  # the blocks
+        scales.append(p.scale.reshape(2, *view))
+    return BlockCodes(codes, np.concatenate(scales, axis=spec.concat_axis + 1))
+
+
+def dequantize_int8(codes, scale, axis: int):
+    """The float32 weight of int8 ``codes`` and ``scale`` (:func:`quantize_int8`): ``d · code + m``."""
+    codes = jnp.asarray(codes)
+    axis %= codes.ndim
+    k = codes.shape[axis]
+    d, m = (jnp.repeat(jnp.asarray(scale[i], jnp.float32), QUANT_BLOCK, axis=axis) for i in (0, 1))
+    idx = [slice(None)] * codes.ndim
+    idx[axis] = slice(0, k)
+    return d[tuple(idx)] * codes.astype(jnp.float32) + m[tuple(idx)]
 
 
 QUANT_BLOCK_ELEMS = 1 << 24  # elements per block of quantize_int8_blocks (64 MB as float32)
@@ -371,14 +427,14 @@ _quantize_int8_jit = jax.jit(quantize_int8, static_argnums=1)
 
 def quantize_int8_blocks(w, axis: int, block_elems: int = QUANT_BLOCK_ELEMS) -> tuple[np.ndarray, np.ndarray]:
     """:func:`quantize_int8` of a concrete array (numpy or jax, any float dtype) without its float32
-    copy of the whole tensor: channels are quantized independently, so the tensor is cut along its
-    largest other axis into blocks of about ``block_elems`` elements, each quantized by
-    :func:`quantize_int8` (jitted) and written into the result (the same values bit for bit). Host memory
-    beyond ``w`` and the result: a few float32 blocks (~64 MB each by default).
+    copy of the whole tensor: blocks along ``axis`` are quantized independently, so the tensor is
+    cut along its largest other axis into pieces of about ``block_elems`` elements, each quantized
+    by :func:`quantize_int8` (jitted) and written into the result (the same values bit for bit).
+    Host memory beyond ``w`` and the result: a few float32 pieces (~64 MB each by default).
 
     Returns:
-      ``(q, scale)`` as numpy arrays: ``q`` int8 of ``w.shape``, ``scale`` float32 of ``w.shape``
-      without ``axis``.
+      ``(codes, scale)`` as numpy arrays: ``codes`` uint8 of ``w.shape``, ``scale`` float32 of
+      :func:`scale_shape`.
     """
     shape = tuple(w.shape)
     axis %= len(shape)
@@ -388,14 +444,14 @@ def quantize_int8_blocks(w, axis: int, block_elems: int = QUANT_BLOCK_ELEMS) -> 
         return np.asarray(q), np.asarray(scale)
     cut = max((a for a in range(len(shape)) if a != axis), key=lambda a: shape[a])
     step = max(1, block_elems * shape[cut] // n)
-    q = np.empty(shape, np.int8)
-    scale = np.empty(shape[:axis] + shape[axis + 1:], np.float32)
+    q = np.empty(shape, np.uint8)
+    scale = np.empty(scale_shape(shape, axis), np.float32)
     for start in range(0, shape[cut], step):
         idx = [slice(None)] * len(shape)
         idx[cut] = slice(start, start + step)
         qb, sb = _quantize_int8_jit(w[tuple(idx)], axis)
         q[tuple(idx)] = np.asarray(qb)
-        scale[tuple(idx[:axis] + idx[axis + 1:])] = np.asarray(sb)
+        scale[(slice(None),) + tuple(idx)] = np.asarray(sb)
     return q, scale
 
 

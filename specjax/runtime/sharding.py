@@ -70,7 +70,7 @@ class _ParamLogicalAxes(Mapping):
     """``{parameter name (last path element): logical axis of each dimension}``, read from the
     weight table (:data:`specjax.models.weights.WEIGHTS`, :func:`~specjax.models.weights.param_logical_axes`)
     on every lookup: a weight added to the table is sharded by its own axes, and an int8
-    ``<name>_scale`` follows its weight's output dimension."""
+    ``<name>_scale`` follows its weight's output dimensions (its block axis is replicated)."""
 
     def __getitem__(self, name):
         return llama.param_logical_axes()[name]
@@ -213,7 +213,18 @@ def _spec(logical, units: dict, mesh: Mesh) -> P:
 def param_spec(path: tuple, shape: tuple, cfg, mesh: Mesh) -> P:
     """PartitionSpec of parameter ``path`` (e.g. ``("layers", 0, "w_qkv")``) with ``shape``.
     Unknown names (and shapes of another rank) are replicated."""
-    logical = PARAM_LOGICAL_AXES.get(str(path[-1]))
+    name = str(path[-1])
+    spec = weights.weight_spec(name[:-len("_scale")]) if name.endswith("_scale") else None
+    if spec is not None and spec.quant_axis is not None and len(shape) == len(spec.logical_axes) + 1:
+        # an int8 scale [2, ..., blocks, ...]: its weight's spec; the blocks follow the weight's input
+        # axis when each device's slice of it is whole blocks, else they are replicated
+        w = tuple(_spec(spec.logical_axes, _units(cfg), mesh))
+        w += (None,) * (len(spec.logical_axes) - len(w))
+        q = spec.quant_axis
+        if w[q] is not None and (shape[1 + q] % _axis_size(mesh, w[q]) or spec.shape(cfg)[q] % weights.QUANT_BLOCK):
+            w = w[:q] + (None,) + w[q + 1:]
+        return P(None, *w)
+    logical = PARAM_LOGICAL_AXES.get(name)
     if logical is None or len(logical) != len(shape):
         return P(*([None] * len(shape)))
     return _spec(logical, _units(cfg), mesh)
