@@ -199,10 +199,11 @@ def predicted_format(formats: Sequence[str], model=None, host: dict | None = Non
 
     host = host_fingerprint() if host is None else host
     for backend, fmt, why in PREDICTED_FORMATS:
+        if host.get("backend") != backend or fmt not in formats:
+            continue
         if fmt == "int8" and not (str(host.get("machine", "")).lower() in ("x86_64", "amd64") and q8.available()):
             continue  # int8's speed is its CPU kernel's (the jnp reference is ~20x slower than float32)
-        if host.get("backend") == backend and fmt in formats:
-            return fmt, f"predicted: {why}"
+        return fmt, f"predicted: {why}"
     return None
 
 
