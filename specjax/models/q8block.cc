@@ -223,12 +223,12 @@ static inline float combine(float d, float mn, float s1, float s2, float X, int3
   return v + w;
 }
 
-// columns [n0, n1) of y, all rows
-static void kn_scalar(const Act& a, const uint8_t* codes, const float* scale, int N, int n0,
-                      int n1, float* y) {
+// columns [n0, n1) of y, all rows; the code of (k, n) at codes[k * ck + n * cn], the scale and
+// offset of (block b, n) at D / Mn[b * sb + n * sn] (KN: ck = N, cn = 1, sb = N, sn = 1; NK: the
+// transposes)
+static void blocks_scalar(const Act& a, const uint8_t* codes, size_t ck, size_t cn, const float* D,
+                          const float* Mn, size_t sb, size_t sn, int N, int n0, int n1, float* y) {
   const int K = a.K, nb = a.nb;
-  const float* D = scale;
-  const float* Mn = scale + (size_t)nb * N;
   for (int m = 0; m < a.M; ++m)
     for (int n = n0; n < n1; ++n) {
       float acc = -0.0f;
@@ -236,39 +236,26 @@ static void kn_scalar(const Act& a, const uint8_t* codes, const float* scale, in
         int32_t I1 = 0, I2 = 0;
         for (int i = 0; i < kB; ++i) {
           const int k = b * kB + i;
-          const int32_t c = codes[(size_t)k * N + n];
+          const int32_t c = codes[(size_t)k * ck + (size_t)n * cn];
           I1 += c * a.q1[(size_t)m * K + k];
           I2 += c * a.q2[(size_t)m * K + k];
         }
         const size_t os = (size_t)m * nb + b;
-        acc = acc + combine(D[(size_t)b * N + n], Mn[(size_t)b * N + n], a.s1[os], a.s2[os],
-                            a.X[os], I1, I2);
+        const size_t at = (size_t)b * sb + (size_t)n * sn;
+        acc = acc + combine(D[at], Mn[at], a.s1[os], a.s2[os], a.X[os], I1, I2);
       }
       y[(size_t)m * N + n] = acc;
     }
 }
 
+static void kn_scalar(const Act& a, const uint8_t* codes, const float* scale, int N, int n0,
+                      int n1, float* y) {
+  blocks_scalar(a, codes, N, 1, scale, scale + (size_t)a.nb * N, N, 1, N, n0, n1, y);
+}
+
 static void nk_scalar(const Act& a, const uint8_t* codes, const float* scale, int N, int n0,
                       int n1, float* y) {
-  const int K = a.K, nb = a.nb;
-  const float* D = scale;
-  const float* Mn = scale + (size_t)N * nb;
-  for (int m = 0; m < a.M; ++m)
-    for (int n = n0; n < n1; ++n) {
-      float acc = -0.0f;
-      for (int b = 0; b < nb; ++b) {
-        int32_t I1 = 0, I2 = 0;
-        const uint8_t* cr = codes + (size_t)n * K + (size_t)b * kB;
-        for (int i = 0; i < kB; ++i) {
-          I1 += (int32_t)cr[i] * a.q1[(size_t)m * K + b * kB + i];
-          I2 += (int32_t)cr[i] * a.q2[(size_t)m * K + b * kB + i];
-        }
-        const size_t os = (size_t)m * nb + b;
-        acc = acc + combine(D[(size_t)n * nb + b], Mn[(size_t)n * nb + b], a.s1[os], a.s2[os],
-                            a.X[os], I1, I2);
-      }
-      y[(size_t)m * N + n] = acc;
-    }
+  blocks_scalar(a, codes, 1, a.K, scale, scale + (size_t)N * a.nb, 1, a.nb, N, n0, n1, y);
 }
 
 // ------------------------------------------------------------------ AVX-512 VNNI, KN
