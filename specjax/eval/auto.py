@@ -263,16 +263,22 @@ def fastest_format(model, *, formats: Sequence[str] = llama.WEIGHT_FORMATS, toke
             box["float32"] = convert_model(model, "float32") if loaded else load_model(model, dtype="float32")
         return box["float32"]
 
+    def in_format(fmt):  # a checkpoint is loaded in the format (a GGUF's exact int8 blocks), a model converted
+        if fmt not in box:
+            box[fmt] = base() if fmt == "float32" else (
+                convert_model(base(), fmt) if loaded else load_model(model, dtype=fmt))
+        return box[fmt]
+
     for f in formats:
         if fid[f] is None:
             fid[f] = fidelity.measure(model, f, cache=cache, progress=progress, ident=ident, reference=base())
     faithful = [f for f in formats if fid[f]["faithful"]] or ["float32"]
 
-    measure = functools.partial(_step_ms, faithful, base, box, tokens, warmup, repeats)
+    measure = functools.partial(_step_ms, faithful, in_format, tokens, warmup, repeats)
     parts = _speed_parts(ident, faithful, tokens, repeats)
     formats, all_formats = faithful, formats
     if len(faithful) == 1:  # nothing to race
-        return _only_faithful(model, loaded, box, faithful[0], all_formats, fid, tokens)
+        return _only_faithful(model, loaded, box, in_format, faithful[0], all_formats, fid, tokens)
     value, src = cached_or_measured(
         cache, "format", parts, measure, progress,
         ("" if loaded or "float32" in box else
@@ -311,29 +317,28 @@ def _predicted_choice(model, formats: list[str], fid: dict, cache, ident: dict, 
     return None
 
 
-def _step_ms(faithful: list[str], base, box: dict, tokens: int, warmup: int, repeats: int) -> dict:
+def _step_ms(faithful: list[str], in_format, tokens: int, warmup: int, repeats: int) -> dict:
     """``{"step_ms": {format: ms}}``: each faithful format's target step of ``tokens`` new tokens
-    (:func:`target_case` on the program for ``FORMAT_SHAPE``), the models made from ``base()``
-    (float32) and kept in ``box``; timed round-robin (:func:`median_ms`)."""
-    from specjax.io.loading import convert_model
-
+    (:func:`target_case` on the program for ``FORMAT_SHAPE``), the models from ``in_format(fmt)``;
+    timed round-robin (:func:`median_ms`)."""
     plen, mnt = FORMAT_SHAPE
     sp = sampling_params(1, 0.0, 0, 1.0)
     calls = {}
     for fmt in faithful:
-        m = box[fmt] = convert_model(base(), fmt)
+        m = in_format(fmt)
         prog = timed_programs(m, None, [tokens - 1], plen, mnt)[tokens - 1]
         calls[("step", fmt)] = target_case(m, prog, 1, tokens, plen + mnt // 2, sp)
     med = median_ms(calls, warmup, repeats)
     return {"step_ms": {fmt: med[("step", fmt)] for fmt in faithful}}
 
 
-def _only_faithful(model, loaded: bool, box: dict, only: str, all_formats: list[str], fid: dict, tokens: int):
+def _only_faithful(model, loaded: bool, box: dict, in_format, only: str, all_formats: list[str], fid: dict,
+                   tokens: int):
     """:func:`fastest_format`'s answer when one candidate alone passes the fidelity bar (nothing to
     race): that format, and the model in it when one was loaded for the fidelity measurement."""
     from specjax.io.loading import convert_model
 
-    chosen = box.get(only) or (convert_model(box["float32"], only) if "float32" in box else None)
+    chosen = box.get(only) or (in_format(only) if "float32" in box else None)
     if chosen is None and loaded:
         chosen = convert_model(model, only)
     src = {"cached": all(fid[f].get("source", {}).get("cached", True) for f in all_formats), "created": None,
