@@ -51,7 +51,7 @@ from specjax.core.paths import cache_dir  # noqa: F401  (the rule lives in core:
 CONVERTER_VERSION = 2  # 2: int8 as 8-bit block codes with scales and offsets (issue 26)
 # The modules whose code decides the converted arrays and the tokenizer (relative to specjax/).
 CONVERTER_SOURCES = ("io/convcache.py", "io/loading.py", "io/assemble.py", "io/hf.py", "io/gguf.py",
-                     "io/tokenizer.py", "models/config.py", "models/weights.py", "models/llama.py")
+                     "io/tokenizer.py", "models/config.py", "models/weights.py", "models/llama.py", "models/q8.py")
 MAX_ENTRY_BYTES = 8 << 30  # larger conversions are not cached (a copy of a 7B float32 model is 28 GB)
 SOURCES_FILE = "sources.json"
 _SOURCES_KEPT = 256  # remembered file hashes (the least recently stored are dropped)
