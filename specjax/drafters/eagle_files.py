@@ -27,7 +27,7 @@ def target_fingerprint(target) -> dict:
     cfg = target.config
     source = getattr(target, "source_config", None) or cfg  # the checkpoint's, under a --max-model-len cap
     c = json.dumps(source.identity(), sort_keys=True, default=str)
-    emb = np.asarray(target_embed(target)[np.r_[0:8, cfg.vocab_size - 8:cfg.vocab_size]], np.float64)
+    emb = np.asarray(target_embed(target, np.r_[0:8, cfg.vocab_size - 8:cfg.vocab_size]), np.float64)
     f32 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)
     w = np.concatenate([np.linalg.norm(emb, axis=1), f32(target.params["final_norm"][...])[:16],
                         f32(target.params["layers"][0]["attn_norm"][...])[:16]])

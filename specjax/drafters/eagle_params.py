@@ -161,11 +161,14 @@ def _value(params, name):
     return params[name][...] if name in params else None
 
 
-def target_embed(target) -> jax.Array:
-    """The target's token embedding ``[V, D]`` float32 (also its tied head); the same
-    array for a float32 target, dequantized for bfloat16/int8 targets."""
+def target_embed(target, rows=None) -> jax.Array:
+    """The target's token embedding ``[V, D]`` float32 (also its tied head), or only its ``rows``
+    (an index array); the same array for a float32 target, dequantized for bfloat16/int8 targets."""
     e = target.params["embed"][...]
     scale = _value(target.params, "embed_scale")
+    if rows is not None:
+        e = e[rows]
+        scale = None if scale is None else scale[:, rows]
     if scale is not None:
         return llama.dequantize_int8(e, scale, 1)
     return e if e.dtype == jnp.float32 else e.astype(jnp.float32)

@@ -381,7 +381,11 @@ def quantize_int8(w, axis: int):
     """
     from specjax.models import q8  # the arithmetic's one home (the kernel's module)
 
-    return q8.quantize_blocks(jnp.asarray(w, jnp.float32), axis)
+    if isinstance(w, jax.core.Tracer):  # inside a jitted program (quantize_int8_blocks)
+        return q8.quantize_blocks(jnp.asarray(w, jnp.float32), axis)
+    # a concrete array: numpy (the same bits; jnp op by op took 6-8 s for the shipped drafter)
+    codes, scale = q8.quantize_blocks(np.asarray(w, np.float32), axis)
+    return jnp.asarray(codes), jnp.asarray(scale)
 
 
 class BlockCodes(NamedTuple):
@@ -410,14 +414,19 @@ def fuse_blocks(spec: "WeightSpec", cfg: ModelConfig, parts: list) -> BlockCodes
 
 
 def dequantize_int8(codes, scale, axis: int):
-    """The float32 weight of int8 ``codes`` and ``scale`` (:func:`quantize_int8`): ``d · code + m``."""
-    codes = jnp.asarray(codes)
+    """The float32 weight of int8 ``codes`` and ``scale`` (:func:`quantize_int8`): ``d · code + m``,
+    rounded after the product and after the sum (a GGUF block's float32 dequantization, bit for bit).
+    Concrete arrays go through numpy (a jax array in, a jax array out)."""
+    xp = jnp if isinstance(codes, jax.core.Tracer) or isinstance(scale, jax.core.Tracer) else np
+    codes = xp.asarray(codes)
+    scale = xp.asarray(scale, np.float32)
     axis %= codes.ndim
     k = codes.shape[axis]
-    d, m = (jnp.repeat(jnp.asarray(scale[i], jnp.float32), QUANT_BLOCK, axis=axis) for i in (0, 1))
+    d, m = (xp.repeat(scale[i], QUANT_BLOCK, axis=axis) for i in (0, 1))
     idx = [slice(None)] * codes.ndim
     idx[axis] = slice(0, k)
-    return d[tuple(idx)] * codes.astype(jnp.float32) + m[tuple(idx)]
+    out = (d[tuple(idx)] * codes.astype(np.float32)).astype(np.float32) + m[tuple(idx)]
+    return out if xp is jnp else jnp.asarray(out)
 
 
 QUANT_BLOCK_ELEMS = 1 << 24  # elements per block of quantize_int8_blocks (64 MB as float32)
