@@ -5,6 +5,7 @@ replaced by one that fails the test if it is called."""
 
 from __future__ import annotations
 
+import re
 import json
 import sys
 import os
@@ -448,6 +449,27 @@ def test_api_bounds_raise_value_error():
     with pytest.raises(ValueError, match="<= 16"):
         specjax.load_drafter("ngram:17", m)
     assert Decoder(m, NgramDrafter(16), gamma=64).gamma == 64 and TreeShape(512, 64, 32).nodes == 512
+
+
+def test_api_prompts_are_checked_before_decoding():
+    """A new user's pass (turn 15) found token ids outside the vocabulary decoded silently (999999 gave
+    [0, 0, 0, 0], -1 generated text), a flat list of ids a raw TypeError and a huge max_new_tokens
+    a numpy TypeError: each is one ValueError naming the problem, before anything is compiled."""
+    from specjax.runtime.decoder import Decoder
+
+    m = tiny_model(seed=3)
+    d = Decoder(m)
+    v = m.config.vocab_size
+    for prompts, kw, words in [
+        ([[v + 5]], {}, f"token id {v + 5}, outside the vocabulary [0, {v})"),
+        ([[-1, 5]], {}, "token id -1, outside the vocabulary"),
+        ([1, 2, 3], {}, "flat list of ints; wrap it"),
+        ([[1.5, 2.0]], {}, "not integer token ids"),
+        ([[1, 2]], {"max_new_tokens": 10 ** 20}, "max_new_tokens must be an integer >= 1"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(words)):
+            d.generate(prompts, **kw)
+    assert len(d.generate([[v - 1, 0]], max_new_tokens=2, eos_ids=[]).tokens[0]) == 2  # the edges are ids
 
 
 def test_broken_pipe_stops_quietly(tmp_path):

@@ -257,6 +257,11 @@ def check_settings(args, s: dict) -> None:
 
     if s["max_new_tokens"] < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {s['max_new_tokens']}")
+    from specjax.core.drafting import MAX_NEW_TOKENS
+
+    if s["max_new_tokens"] > MAX_NEW_TOKENS:
+        raise UsageError(f"--max-new-tokens must be at most {MAX_NEW_TOKENS} (the model's context caps it far "
+                         f"below), got {s['max_new_tokens']}")
     if s.get("max_model_len") is not None and s["max_model_len"] < 2:
         raise UsageError(f"--max-model-len must be an integer >= 2 (a prompt token and a new one), "
                          f"got {s['max_model_len']}")

@@ -24,6 +24,7 @@ from specjax.core.sampling import SamplingParams
 # ``NgramDrafter``, :class:`TreeShape`): every round's programs, buffers and tree masks grow with
 # them, and they leave room for accelerators (a target call verifies at most 513 tokens).
 MAX_GAMMA = 64  # γ, draft tokens per round of a chain (--gamma)
+MAX_NEW_TOKENS = 2 ** 31 - 1  # new tokens per row: int32 counters (the context caps a row far below)
 MAX_NGRAM = 16  # N of the n-gram drafter (--draft ngram:N)
 MAX_TREE_NODES = 512  # N, nodes per draft tree (--tree-nodes)
 MAX_TREE_DEPTH = 64  # D, the deepest tree node (--tree-depth; a tree's γ)

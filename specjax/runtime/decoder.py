@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.core.drafting import MAX_GAMMA, TreeShape, require_drafter, row_context
+from specjax.core.drafting import MAX_GAMMA, MAX_NEW_TOKENS, TreeShape, require_drafter, row_context
 from specjax.core.sampling import SamplingParams
 from specjax.models.llama import kv_cache_dtype
 from specjax.runtime.loop import (  # noqa: F401  (run_rounds/… re-exported for tests)
@@ -164,20 +164,38 @@ def shared_prompts(prompts) -> tuple[list[list[int]], np.ndarray, np.ndarray] | 
     return [list(k) for k in keys + keys[:1] * (width - u)], source, first
 
 
-def validate_batch(prompts, max_new_tokens, gamma, drafter, ctx_limit):
-    if not prompts:
-        raise ValueError("no prompts given; pass at least one prompt")
+def validate_batch(prompts, max_new_tokens, gamma, drafter, ctx_limit, vocab_size: int | None = None):
+    """Raises ValueError (one line naming the problem and the fix) for a batch the decoder cannot
+    run: no prompts, a prompt that is not a list of token ids, empty, too long for the context or
+    with an id outside ``[0, vocab_size)``; ``max_new_tokens`` not an integer in [1,
+    :data:`MAX_NEW_TOKENS`]; γ out of range."""
+    if isinstance(prompts, (str, bytes)) or not prompts:
+        raise ValueError("no prompts given; pass a list of prompts, each a list of token ids")
+    if all(isinstance(p, (int, np.integer)) for p in prompts):
+        raise ValueError("prompts must be a list of token-id lists, one per prompt, got a flat list of ints; "
+                         "wrap it: [[...]]")
     for i, p in enumerate(prompts):
+        if isinstance(p, (str, bytes, int, np.integer)) or not hasattr(p, "__len__"):
+            raise ValueError(f"prompt {i} is {type(p).__name__}, not a list of token ids; encode text first "
+                             "(specjax.generate_text takes text)")
         if len(p) == 0:
             raise ValueError(f"prompt {i} is empty; give at least one token (text) per prompt")
+        ids = np.asarray(p)
+        if ids.dtype.kind not in "iu":
+            raise ValueError(f"prompt {i} holds {ids.dtype} values, not integer token ids")
+        if vocab_size is not None and (ids.min() < 0 or ids.max() >= vocab_size):
+            bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+            raise ValueError(f"prompt {i} has token id {bad}, outside the vocabulary [0, {vocab_size}); "
+                             "use ids from the model's tokenizer")
         if len(p) >= ctx_limit:
             raise ValueError(
                 f"prompt {i} has {len(p)} tokens, longer than the model's context of {ctx_limit} "
                 "(it must leave room for at least one new token); shorten the prompt"
             )
     mn = np.asarray(max_new_tokens).reshape(-1)
-    if np.any(mn < 1) or np.any(mn != np.round(mn)):
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if (mn.dtype.kind not in "iuf" or np.any(mn < 1) or np.any(mn != np.round(mn))
+            or np.any(mn > MAX_NEW_TOKENS)):
+        raise ValueError(f"max_new_tokens must be an integer >= 1 (at most {MAX_NEW_TOKENS}), got {max_new_tokens!r}")
     if drafter is not None:
         _check_gamma(gamma)
 
@@ -330,7 +348,7 @@ class Decoder:
         alternatives recorded per emitted token (:class:`Logprobs`)."""
         cfg = self.target.config
         ctx_limit = self.context_limit()
-        validate_batch(prompts, max_new_tokens, self.gamma or 1, self.drafter, ctx_limit)
+        validate_batch(prompts, max_new_tokens, self.gamma or 1, self.drafter, ctx_limit, cfg.vocab_size)
         if logprobs is not None and (isinstance(logprobs, bool) or int(logprobs) != logprobs
                                      or not 0 <= logprobs <= cfg.vocab_size):
             raise ValueError(f"logprobs must be None or an integer in [0, {cfg.vocab_size}], got {logprobs!r}")
