@@ -597,6 +597,18 @@ def test_plot_into_a_missing_directory_creates_nothing(f, capsys):
     assert not os.path.exists(os.path.join(f["root"], "no_plot_dir2"))
 
 
+def test_plot_never_overwrites_a_file_without_force(capsys, tmp_path):
+    """``analyze --plot`` onto an existing file (a new user's JSON, turn 15: overwritten with a PNG)
+    is refused in one line naming --force; with --force it is written."""
+    mine = tmp_path / "existing.json"
+    mine.write_text('{"mine": 1}')
+    one_line_error(capsys, cli.main(["analyze", "--alpha", "0.7", "--c", "0.1", "--plot", str(mine)]),
+                   ["--plot", "exists", "--force"])
+    assert mine.read_text() == '{"mine": 1}'
+    assert cli.main(["analyze", "--alpha", "0.7", "--c", "0.1", "--plot", str(mine), "--force"]) == 0
+    assert mine.read_bytes()[:4] == b"\x89PNG"
+
+
 def test_distill_resume_without_a_run_writes_nothing(f, no_load, capsys, tmp_path):
     out = tmp_path / "nothing_here"
     one_line_error(capsys, cli.main(["distill", "--out", str(out), "--prompts", f["ok_jsonl"], "--resume"]),

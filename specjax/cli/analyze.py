@@ -73,6 +73,7 @@ def register_cli(subparsers) -> None:
     add_model_args(p, mesh=False, trees=False)  # measures on one device; trees via --tree-shapes
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.add_argument("--plot", metavar="PNG", default=None, help="write predicted speedup vs γ (with measured points)")
+    p.add_argument("--force", action="store_true", help="allow --plot to overwrite an existing file")
     p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr (shown only on a terminal)")
     p.set_defaults(func=cmd_analyze)
 
@@ -311,6 +312,8 @@ def cmd_analyze(args) -> int:
         if not os.path.exists(where):
             raise _usage(f"--plot {args.plot}: the directory {where} does not exist; create it first "
                          f"(mkdir -p {where}) or write the plot into an existing directory")
+        if os.path.exists(args.plot) and not args.force:
+            raise _usage(f"--plot {args.plot} exists; choose a new file name or pass --force to overwrite it")
         check_writable(args.plot, "--plot")
     if numbers:
         model_flags = [f for f in ("model", "draft", "prompts", "prompt", "config") if getattr(args, f, None)]
