@@ -168,9 +168,16 @@ def encode_prompts(target: Model, texts: Sequence[str], chat: bool, parse_specia
     tok = target.tokenizer
     if tok is None:
         raise CheckpointError(f"{target.name} has no tokenizer; pass token ids to specjax.runtime.decoder.generate instead")
+    if not isinstance(chat, (bool, int)) or isinstance(chat, str):  # chat="no" would be truthy
+        raise ValueError(f"chat must be True or False, got {chat!r}")
+    if isinstance(texts, str):
+        raise ValueError("prompts must be a list of texts, got one string; wrap it: [text]")
     ids = []
     for i, t in enumerate(texts):
-        if not isinstance(t, str) or not t.strip():
+        if not isinstance(t, str):
+            raise ValueError(f"prompt {i} is {type(t).__name__}, not text; pass texts here "
+                             "(token ids go to specjax.Decoder(...).generate)")
+        if not t.strip():
             raise ValueError(f"prompt {i} is empty; give a non-empty prompt")
         ids.append(tok.encode_chat(t, parse_special=parse_special, template_kwargs=chat_template_kwargs) if chat
                    else tok.encode(t, parse_special=parse_special))

@@ -174,7 +174,7 @@ EARLY = [
     ([*G, "--config", "{neg_temp_toml}"], ["neg_temp.toml", "temperature", ">= 0"]),
     # bench: all checked before the benchmark (and the model load)
     (["bench", "--prompts", "{ok_jsonl}", "--out", "{a_file}/results.json"], ["--out", "a_file.txt", "not a directory"]),
-    (["bench", "--prompts", "{ok_jsonl}", "--out", "{root}"], ["--out", "exists"]),
+    (["bench", "--prompts", "{ok_jsonl}", "--out", "{root}"], ["--out", "is a directory", "give a file name"]),
     (["bench", "--prompts", "{ok_jsonl}", "--categories", "nope"], ["--categories", "unknown", "'nope'"]),
     (["bench", "--prompts", "{ok_jsonl}", "--split", "{split}:nopart"], ["no list 'nopart'", "'eval'", "FILE:PART", "split.json:eval"]),
     (["bench", "--prompts", "{ok_jsonl}", "--split", "{ok_jsonl}"], ["--split", "not a split file", "question-id lists"]),
@@ -595,6 +595,19 @@ def test_plot_into_a_missing_directory_creates_nothing(f, capsys):
     one_line_error(capsys, cli.main(["analyze", "--alpha", "0.5", "--c", "0.1", "--plot", os.path.join(where, "p.png")]),
                    ["--plot", "does not exist"])
     assert not os.path.exists(os.path.join(f["root"], "no_plot_dir2"))
+
+
+def test_api_text_prompts_and_chat_are_checked():
+    """``chat="no"`` (truthy: it turned the template on) and ids where texts belong ("prompt 0 is
+    empty" before) are one ValueError naming the fix (a new user's pass, turn 15)."""
+    from test_cli import _word_tokenizer
+
+    m = tiny_model(seed=3)
+    m = m.replace(tokenizer=_word_tokenizer(m.config.vocab_size))
+    with pytest.raises(ValueError, match="chat must be True or False, got 'no'"):
+        specjax.generate_text(m, ["w3 w4"], chat="no")
+    with pytest.raises(ValueError, match="prompt 0 is int, not text"):
+        specjax.generate_text(m, [123])
 
 
 def test_plot_never_overwrites_a_file_without_force(capsys, tmp_path):

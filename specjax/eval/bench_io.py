@@ -99,10 +99,10 @@ def make_batches(prompts: Sequence[dict], batch_size: int) -> list[list[int]]:
 
 
 def check_out_path(path: str | None, force: bool) -> None:
+    if path and os.path.isdir(path):  # before the --force hint: --force cannot help here
+        raise ValueError(f"--out {path} is a directory; give a file name (e.g. {os.path.join(path, 'results.json')})")
     if path and os.path.exists(path) and not force:
         raise ValueError(f"--out {path} exists; choose another file or pass --force to overwrite it")
-    if path and os.path.isdir(path):
-        raise ValueError(f"--out {path} is a directory; give a file name")
 
 
 def check_writable(path: str | None, flag: str = "--out") -> None:
