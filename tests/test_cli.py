@@ -113,12 +113,14 @@ ERROR_CASES = [
 
 def error_lines(err: str) -> list[str]:
     """The one ``specjax: error:`` line of stderr; any other line must be a progress line of a
-    phase that ran before the error (``specjax: loading … 0.2 s``)."""
+    phase that ran before the error (``specjax: loading … 0.2 s``), or the failing phase's own
+    line when it ran long enough to be shown (``… 0.4 s (failed)``, the line just before the error)."""
     lines = err.strip().splitlines()
     errs = [ln for ln in lines if ln.startswith("specjax: error: ")]
     assert len(errs) == 1 and lines[-1] == errs[0], err
     assert all(ln.startswith("specjax: ") and " … " in ln and ln.endswith(" s") or ln.startswith("specjax: generating")
-               for ln in lines[:-1]), err  # completed phases (a phase that fails at once prints nothing)
+               or (k == len(lines) - 2 and " … " in ln and ln.endswith(" s (failed)"))
+               for k, ln in enumerate(lines[:-1])), err  # completed phases (a phase that fails at once prints nothing)
     return errs
 
 

@@ -74,7 +74,12 @@ def test_rules_replicate_what_does_not_divide():
     assert sharding.replication_notes(cfg, 3) == []
     qkv = sharding.param_spec(("layers", 1, "w_qkv"), (576, 3, 5, 64), cfg, mesh3)
     assert tuple(qkv) == (None, "model", None, None)
-    assert tuple(sharding.param_spec(("layers", 1, "w_qkv_scale"), (3, 5, 64), cfg, mesh3)) == ("model", None, None)
+    # int8 scales [2, blocks, *out]: their weight's spec; the blocks of an input axis split where whole blocks
+    # fall on each device (w_down: 1536 inputs = 48 blocks, 16 per device), else replicated
+    assert tuple(sharding.param_spec(("layers", 1, "w_qkv_scale"), (2, 18, 3, 5, 64), cfg, mesh3)) == (
+        None, None, "model", None, None)
+    assert tuple(sharding.param_spec(("layers", 1, "w_down_scale"), (2, 48, 576), cfg, mesh3)) == (None, "model", None)
+    assert tuple(sharding.param_spec(("layers", 1, "wo_scale"), (2, 18, 576), cfg, mesh3)) == (None, "model", None)
     assert tuple(sharding.param_spec(("layers", 1, "wo"), (576, 576), cfg, mesh3)) == ("model", None)
     assert tuple(sharding.cache_spec(cfg, mesh3)) == ("data", "model", None, None)
     # unknown names and ranks are replicated
