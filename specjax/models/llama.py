@@ -46,7 +46,7 @@ from specjax.models.attention import (  # noqa: F401  (the cache and attention, 
 )
 from specjax.models.config import ModelConfig
 from specjax.models.ops import (  # noqa: F401  (the numerics, re-exported)
-    dense, dequantize_rows, matmul, pairwise_max, pairwise_sum, rms_norm, rope,
+    dense, matmul, pairwise_max, pairwise_sum, rms_norm, rope,
 )
 from specjax.models.params import (  # noqa: F401  (the parameters, re-exported)
     Block, Transformer, module_arrays, param_or_none, abstract_model, flatten_params, init_model, param_bytes, param_shapes,
@@ -262,7 +262,7 @@ def embed_tokens(model, tokens, cfg: ModelConfig | None = None):
     e = e.astype(jnp.float32)
     scale = param_or_none(model, "embed_scale")  # int8: [2, V, D/32] scales and offsets per block
     if scale is not None:
-        e = dequantize_rows(e, jnp.take(scale, tokens, axis=1))
+        e = dequantize_int8(e, jnp.take(scale, tokens, axis=1), -1)
     if cfg is not None and cfg.scale_embeddings:
         e = e * jnp.float32(cfg.hidden_size ** 0.5)
     return e

@@ -100,14 +100,6 @@ def matmul(x, w, scale=None, transposed=False):
     return y.reshape(*lead, *y.shape[1:])
 
 
-def dequantize_rows(codes, scale):
-    """Rows of an int8 weight stored ``[rows, K]`` (the embedding), as float32: ``codes [..., K]``
-    (any dtype holding the codes) and their ``scale [2, ..., ceil(K/32)]`` → ``d · code + m``."""
-    k = codes.shape[-1]
-    d, m = (jnp.repeat(scale[i].astype(jnp.float32), 32, axis=-1)[..., :k] for i in (0, 1))
-    return d * codes.astype(jnp.float32) + m
-
-
 def dense(x, w, b=None, scale=None):
     """``x @ w`` (+ b, of shape ``out``) with float32 output; ``w`` stored ``[in, *out]`` (see
     :func:`matmul`)."""
