@@ -40,7 +40,13 @@ def build_parser() -> Parser:
 
 def main(argv=None) -> int:
     """Run the command line; a user error is one line ``specjax: error: …`` and exit status 2
-    (``SPECJAX_DEBUG=1`` re-raises it with its traceback)."""
+    (``SPECJAX_DEBUG=1`` re-raises it with its traceback).
+
+    Ctrl+C (SIGINT) prints ``specjax: interrupted``, keeps the text already streamed (stdout is
+    flushed) and exits with status 130. Run as the ``specjax`` command (``argv is None``), the
+    process then ends at once with :func:`os._exit`: a compilation or computation XLA is still
+    running on its own threads would otherwise crash the interpreter's shutdown (SIGSEGV).
+    """
     parser = build_parser()
     try:
         args, extra = parser.parse_known_args(argv)
@@ -67,7 +73,20 @@ def main(argv=None) -> int:
         return 2
     except KeyboardInterrupt:
         print("specjax: interrupted", file=sys.stderr)
+        if argv is None:
+            _exit_now(130)
         return 130
+
+
+def _exit_now(status: int) -> None:
+    """Flush what was written and end the process without the interpreter's shutdown (which
+    tears down JAX while XLA threads may still run)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: nothing more can be kept
+            pass
+    os._exit(status)
 
 
 def _silence_stdout() -> None:
