@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import statistics
 import sys
@@ -47,6 +48,29 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _llama_worker(conn, path: str, threads: int, n: int) -> None:
+    """Child process: greedy llama.cpp decoding of each prompt received on ``conn``; sends back
+    ``(tokens, decode tokens/s, seconds to the first token)``."""
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=2048, n_batch=512,
+                verbose=False, seed=0)
+    while True:
+        prompt_ids = conn.recv()
+        if prompt_ids is None:
+            return
+        out, t_first = [], None
+        t0 = time.perf_counter()
+        for tok in llm.generate(prompt_ids, temp=0.0, reset=True):
+            if t_first is None:
+                t_first = time.perf_counter()
+            out.append(int(tok))
+            if len(out) == n:
+                break
+        t1 = time.perf_counter()
+        conn.send((out, (n - 1) / (t1 - t_first), t_first - t0))
+
+
 def gguf_path() -> str:
     from specjax.io.loading import default_model_path
 
@@ -56,11 +80,10 @@ def gguf_path() -> str:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        from llama_cpp import Llama
+        import llama_cpp
     except ImportError:
         raise SystemExit("peers_llamacpp.py needs llama-cpp-python: "
                          "CMAKE_ARGS=-DGGML_NATIVE=ON pip install --no-deps llama-cpp-python") from None
-    import llama_cpp
 
     import specjax
     from specjax.api import encode_prompts
@@ -88,20 +111,16 @@ def main(argv=None) -> int:
     tok_model = next(iter(targets.values())) if targets else specjax.load_model(path, dtype="float32")
     ids = encode_prompts(tok_model, [p["prompt"] for p in prompts], True)
 
-    llm = Llama(model_path=path, n_threads=args.threads, n_threads_batch=args.threads, n_ctx=2048,
-                n_batch=512, verbose=False, seed=0)
+    # llama.cpp runs in a child process: in one process with XLA, its spinning worker threads
+    # and XLA's share the two cores and some of its runs were 5-30x slower (measured)
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    worker = ctx.Process(target=_llama_worker, args=(child, path, args.threads, n), daemon=True)
+    worker.start()
 
     def run_llama(prompt_ids):
-        out, t_first = [], None
-        t0 = time.perf_counter()
-        for tok in llm.generate(prompt_ids, temp=0.0, reset=True):
-            if t_first is None:
-                t_first = time.perf_counter()
-            out.append(int(tok))
-            if len(out) == n:
-                break
-        t1 = time.perf_counter()
-        return out, (n - 1) / (t1 - t_first), t_first - t0
+        parent.send(list(map(int, prompt_ids)))
+        return parent.recv()
 
     def run_specjax(dec, prompt_ids):
         res = dec.generate([prompt_ids], max_new_tokens=n, eos_ids=[])
@@ -116,15 +135,21 @@ def main(argv=None) -> int:
     rows = []
     for p, pid in zip(prompts, ids):
         row = {"question_id": p.get("question_id"), "category": p.get("category"), "prompt_tokens": len(pid)}
+        # a pause before each timed run: the other runtime's worker threads (which spin for a while
+        # after their work) must not share the two cores with the one being timed
+        time.sleep(0.5)
         ref, tps, pre = run_llama(pid)
         row["llama.cpp"] = {"tokens_per_s": tps, "prefill_s": pre}
         for spec, dec in decoders.items():
+            time.sleep(0.5)
             toks, tps, pre = run_specjax(dec, pid)
             same = next((i for i, (a, b) in enumerate(zip(toks, ref)) if a != b), min(len(toks), len(ref)))
             row[spec] = {"tokens_per_s": tps, "prefill_s": pre, "same_prefix": same}
         rows.append(row)
         print(json.dumps(row), file=sys.stderr)
 
+    parent.send(None)
+    worker.join()
     methods = ["llama.cpp", *decoders]
     summary = {}
     for m in methods:
@@ -139,10 +164,10 @@ def main(argv=None) -> int:
                          "threads": args.threads, "llama_cpp_python": llama_cpp.__version__, "gguf": os.path.basename(path),
                          "machine": machine_info()},
               "summary": summary, "rows": rows}
-    print(f"{'method':<22} {'tokens/s':>9} {'÷ llama.cpp':>12} {'identical':>10}")
+    print(f"{'method':<22} {'tokens/s':>9} {'median':>7} {'÷ llama.cpp':>12} {'identical':>10}")
     for m in methods:
         s = summary[m]
-        print(f"{m:<22} {s['tokens_per_s']:9.1f} {s.get('vs_llama_cpp', 1.0):11.2f}× "
+        print(f"{m:<22} {s['tokens_per_s']:9.1f} {s['median_tokens_per_s']:7.1f} {s.get('vs_llama_cpp', 1.0):11.2f}× "
               f"{str(s.get('identical_to_llama_cpp', '-')) + '/' + str(len(rows)):>10}")
     if args.out:
         with open(args.out, "w") as f:
