@@ -108,12 +108,7 @@ def _float(arr, tensor):
     return np.asarray(llama.dequantize_int8(arr.codes, arr.scale, tensor.quant_axis))
 
 
-class FixedKeys:
-    """A stand-in for ``nnx.Rngs`` when only shapes are built: ``params()`` is a fixed key."""
-
-    @staticmethod
-    def params():
-        return jax.random.key(0)
+FixedKeys = llama.ShapesOnly  # (the name the loaders import)
 
 
 def abstract_model_of(cfg: ModelConfig, fmt: str):

@@ -49,7 +49,7 @@ from specjax.models.ops import (  # noqa: F401  (the numerics, re-exported)
     dense, matmul, pairwise_max, pairwise_sum, rms_norm, rope,
 )
 from specjax.models.params import (  # noqa: F401  (the parameters, re-exported)
-    Block, Transformer, module_arrays, param_or_none, abstract_model, flatten_params, init_model, param_bytes, param_shapes,
+    Block, ShapesOnly, Transformer, module_arrays, param_or_none, abstract_model, flatten_params, init_model, param_bytes, param_shapes,
     unflatten_params, weight_format,
 )
 from specjax.models.weights import (  # noqa: F401  (the table's functions, re-exported)

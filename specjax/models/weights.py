@@ -422,6 +422,13 @@ def dequantize_int8(codes, scale, axis: int):
     scale = xp.asarray(scale, np.float32)
     axis %= codes.ndim
     k = codes.shape[axis]
+    if xp is np and k % QUANT_BLOCK == 0:
+        # the same products and sums, with the scales broadcast over each block instead of
+        # repeated into two weight-sized arrays (≈ 5× faster: a drafter's copy of the embedding)
+        blocks = codes.reshape(*codes.shape[:axis], k // QUANT_BLOCK, QUANT_BLOCK, *codes.shape[axis + 1:])
+        d, m = (np.expand_dims(scale[i], axis + 1) for i in (0, 1))
+        out = (d * blocks.astype(np.float32)).astype(np.float32) + m
+        return jnp.asarray(out.reshape(codes.shape))
     d, m = (xp.repeat(scale[i], QUANT_BLOCK, axis=axis) for i in (0, 1))
     idx = [slice(None)] * codes.ndim
     idx[axis] = slice(0, k)
