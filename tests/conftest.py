@@ -18,6 +18,9 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 # Measurements and converted weights of the tests (and of the CLI subprocesses they start) stay in
 # the checkout, not in the user's ~/.cache/specjax; tests that check the caches use their own folders.
+# Exported programs (specjax.runtime.programs, the command line's warm start) are off in the tests:
+# a test that patches a traced function must trace it; tests/test_programs.py switches them on.
+os.environ.setdefault("SPECJAX_NO_PROGRAM_CACHE", "1")
 os.environ.setdefault("SPECJAX_CACHE_DIR", os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
                                                                         ".specjax_test_cache")))
 

@@ -58,9 +58,11 @@ def main(argv=None) -> int:
                            f"(see `specjax {args.command} --help`)\n")
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 2
+    from specjax.runtime import programs
+
     try:
-        if not os.environ.get("SPECJAX_NO_CACHE"):
-            enable_compilation_cache()
+        if not os.environ.get("SPECJAX_NO_CACHE") and enable_compilation_cache():
+            programs.enable()  # exported programs next to the compilation cache: warm starts skip tracing
         return args.func(args) or 0
     except BrokenPipeError:  # the reader of stdout went away (`specjax generate … | head`): stop quietly
         _silence_stdout()
@@ -76,6 +78,8 @@ def main(argv=None) -> int:
         if argv is None:
             _exit_now(130)
         return 130
+    finally:
+        programs.disable()
 
 
 def _exit_now(status: int) -> None:

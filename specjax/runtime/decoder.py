@@ -21,9 +21,10 @@ from specjax.core.drafting import MAX_GAMMA, MAX_NEW_TOKENS, TreeShape, require_
 from specjax.core.sampling import SamplingParams
 from specjax.models.llama import kv_cache_dtype
 from specjax.runtime.loop import (  # noqa: F401  (run_rounds/… re-exported for tests)
-    DecodeState, Logprobs, Program, Stats, run_rounds, run_rounds_jit, tree_scratch,
+    RUN_ROUNDS_DONATE, DecodeState, Logprobs, Program, Stats, run_rounds, run_rounds_jit, tree_scratch,
 )
 from specjax.runtime.prefill import prefill, prefill_jit, prefill_program, size_for_gamma  # noqa: F401  (prefill: for sharding tests)
+from specjax.runtime import programs
 from specjax.runtime.progress import phase
 from specjax.runtime.results import GenerationResult, RowStats, host_result, row_stats  # noqa: F401  (re-exported)
 
@@ -278,11 +279,16 @@ class Decoder:
             return hit, 0.0
         t0 = time.perf_counter()
         fn = prefill_jit if which == "start" else run_rounds_jit
-        if self.mesh is not None:
-            from specjax.runtime import sharding
+        compiled = None
+        if self.mesh is None and self.compiler_options is None:  # a warm start skips tracing (when on)
+            donate = (RUN_ROUNDS_DONATE - 1,) if which == "run" else ()
+            compiled = programs.compile_program(fn, which, prog, args, donate)
+        if compiled is None:
+            if self.mesh is not None:
+                from specjax.runtime import sharding
 
-            fn = sharding.decode_jit(which, prog, args, self.mesh)
-        compiled = fn.lower(prog, *args).compile(self.compiler_options)
+                fn = sharding.decode_jit(which, prog, args, self.mesh)
+            compiled = fn.lower(prog, *args).compile(self.compiler_options)
         self._compiled[key] = compiled
         return compiled, time.perf_counter() - t0
 

@@ -609,7 +609,8 @@ def run_rounds(prog: Program, tparams, dparams, st: DecodeState, round_limit) ->
     )
 
 
-run_rounds_jit = jax.jit(run_rounds, static_argnums=0, donate_argnums=3)
+RUN_ROUNDS_DONATE = 3  # run_rounds' argument whose buffers the program reuses: the state
+run_rounds_jit = jax.jit(run_rounds, static_argnums=0, donate_argnums=RUN_ROUNDS_DONATE)
 
 
 # --------------------------------------------------------------------------- host API

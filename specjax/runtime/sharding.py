@@ -484,7 +484,7 @@ def decode_jit(which: str, prog, args, mesh: Mesh):
     if which == "start":
         shape = jax.eval_shape(lambda *a: prefill(prog, *a), *args)
         return jax.jit(prefill, static_argnums=0, out_shardings=state_shardings(prog, shape, mesh))
-    return jax.jit(decode.run_rounds, static_argnums=0, donate_argnums=3,
+    return jax.jit(decode.run_rounds, static_argnums=0, donate_argnums=decode.RUN_ROUNDS_DONATE,
                    out_shardings=state_shardings(prog, args[2], mesh))
 
 

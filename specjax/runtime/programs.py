@@ -1,0 +1,262 @@
+"""Exported programs: a warm start that does not trace the decode loop again.
+
+A :class:`~specjax.runtime.decoder.Decoder` compiles two programs per shape bucket (the prefill
+and the decode loop). With JAX's persistent compilation cache the XLA compile is read from disk,
+but JAX still traces the Python code and lowers it to StableHLO before it can look the
+executable up: ≈ 5 of the ≈ 8 seconds "compiling" took in a warm ``specjax generate`` of the
+default pair (BENCHMARKS.md, issue 26 "The first minute"). This module keeps each program as a
+serialized :mod:`jax.export` module next to the compilation cache; a later process with the
+same key deserializes it instead of tracing (milliseconds), and the compile of the deserialized
+module hits the compilation cache as before.
+
+The executable is the same: the exported module is the same StableHLO, called with the same
+donated buffers, and XLA's optimized HLO equals the traced program's instruction for
+instruction (compared for the default pair's prefill and decode loop, int8; only the entry
+parameters' names differ), so tokens are unchanged bit for bit.
+
+Key (SHA-256; any change is a new entry): this module's format, the jax and jaxlib versions,
+the backend and its devices, every source file of the installed specjax package (content
+hash), whether the int8 CPU kernel is loaded, the program kind, the full ``repr`` of the
+:class:`~specjax.runtime.loop.Program` (configs, graphdef, drafter settings, γ, buffer, tree,
+…) and the arguments' tree structure, shapes, dtypes and shardings. A description that names
+an object by address (``0x…``) is not cached. Only programs compiled without a mesh and with
+default compiler options are cached.
+
+Used only where it is switched on: the ``specjax`` command line turns it on with the
+compilation cache (``SPECJAX_NO_CACHE=1`` turns both off; ``SPECJAX_NO_PROGRAM_CACHE=1`` only
+this); from Python, :func:`enable`. Entries live in ``<compilation cache>/specjax-programs/``
+(two files each, written atomically; at most :data:`MAX_ENTRIES`, oldest removed first); an
+unreadable or stale entry is rebuilt. The output tree is stored with :mod:`pickle` and read with
+an unpickler that only accepts classes of jax, jaxlib, flax, numpy and specjax (the directory
+is as trusted as the compilation cache, whose entries are native code).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import io
+import os
+import pickle
+import re
+from typing import Callable
+
+import jax
+from jax.tree_util import tree_flatten, tree_leaves, tree_unflatten
+
+FORMAT = 1
+MAX_ENTRIES = 64
+SUBDIR = "specjax-programs"
+
+_dir: str | None = None
+
+
+def enable(directory: str | None = None) -> str | None:
+    """Keep exported programs in ``directory`` (default: ``specjax-programs/`` inside JAX's
+    compilation cache directory, when one is set). Returns the directory used, or None."""
+    global _dir
+    if directory is None:
+        base = jax.config.jax_compilation_cache_dir
+        directory = os.path.join(base, SUBDIR) if base else None
+    _dir = directory
+    return _dir
+
+
+def disable() -> None:
+    """Stop using exported programs (compiles trace as before)."""
+    global _dir
+    _dir = None
+
+
+def directory() -> str | None:
+    """Where exported programs are kept now, or None (off, or ``SPECJAX_NO_PROGRAM_CACHE=1``)."""
+    if os.environ.get("SPECJAX_NO_PROGRAM_CACHE") or os.environ.get("SPECJAX_NO_CACHE"):
+        return None
+    return _dir
+
+
+@functools.lru_cache(maxsize=1)
+def source_digest() -> str:
+    """SHA-256 of every ``.py`` and ``.cc`` file of the specjax package (paths and contents)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    h = hashlib.sha256()
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith((".", "__pycache__", "shipped_")))
+        for name in sorted(filenames):
+            if name.endswith((".py", ".cc")):
+                path = os.path.join(dirpath, name)
+                h.update(os.path.relpath(path, root).encode() + b"\0")
+                with open(path, "rb") as f:
+                    h.update(hashlib.sha256(f.read()).digest())
+    return h.hexdigest()
+
+
+def _kernel_state(leaves) -> str:
+    """Whether int8 programs trace the x86 kernel (only asked when a weight is int8 codes)."""
+    if not any(getattr(x, "dtype", None) == jax.numpy.uint8 for x in leaves):
+        return "-"
+    from specjax.models import q8
+
+    return f"kernel={q8.available()}"
+
+
+def program_key(which: str, prog, leaves, in_tree) -> str | None:
+    """The cache key of a program (module docstring), or None when it cannot be made stably."""
+    import jaxlib
+
+    devices = jax.devices()
+    parts = [
+        f"specjax-program-{FORMAT}", jax.__version__, getattr(jaxlib, "__version__", "?"),
+        jax.default_backend(), f"{len(devices)}x{devices[0].device_kind}", source_digest(), _kernel_state(leaves),
+        f"x64={jax.config.jax_enable_x64}", f"precision={jax.config.jax_default_matmul_precision}",
+        which, repr(prog), str(in_tree),
+        repr([(tuple(x.shape), str(x.dtype), bool(getattr(x, "weak_type", False)), repr(getattr(x, "sharding", None)))
+              for x in leaves]),
+    ]
+    text = "\n".join(parts)
+    if re.search(r"0x[0-9a-fA-F]{6,}", text):  # an object named by its address: not stable across runs
+        return None
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class ExportedProgram:
+    """A compiled program called like :class:`jax.stages.Compiled` (pytrees in and out), built
+    from a :mod:`jax.export` module. ``out_info``: the outputs as ``ShapeDtypeStruct`` s with
+    shardings; other attributes (``memory_analysis``, ``as_text``, …) are the executable's."""
+
+    def __init__(self, compiled, in_tree, out_tree, loaded: bool):
+        self._compiled = compiled
+        self._in_tree = in_tree
+        self._out_tree = out_tree
+        self.loaded = loaded  # read from disk (True) or exported in this process (False)
+
+    def __call__(self, *args):
+        leaves, tree = tree_flatten(args)
+        if tree != self._in_tree:
+            raise TypeError(f"arguments of another structure than the program's: {tree} vs {self._in_tree}")
+        return tree_unflatten(self._out_tree, self._compiled(*leaves))
+
+    @property
+    def out_info(self):
+        return tree_unflatten(self._out_tree, tree_leaves(self._compiled.out_info))
+
+    def __getattr__(self, name):
+        return getattr(self._compiled, name)
+
+
+class _Unpickler(pickle.Unpickler):
+    """Only the classes a pytree structure of specjax's programs is made of."""
+
+    _ALLOWED = ("jax", "jaxlib", "flax", "numpy", "specjax", "builtins", "collections", "ml_dtypes")
+
+    def find_class(self, module, name):
+        if module.split(".")[0] not in self._ALLOWED:
+            raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a program entry")
+        return super().find_class(module, name)
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def _evict(d: str) -> None:
+    entries = [os.path.join(d, n) for n in os.listdir(d) if n.endswith(".jaxexport")]
+    if len(entries) <= MAX_ENTRIES:
+        return
+    entries.sort(key=lambda p: os.stat(p).st_mtime)
+    for p in entries[: len(entries) - MAX_ENTRIES]:
+        for q in (p, p[: -len(".jaxexport")] + ".tree"):
+            try:
+                os.remove(q)
+            except OSError:
+                pass
+
+
+def _read(base: str):
+    """``(exported, out_tree, needs_kernel)`` of an entry, or None (missing or unreadable)."""
+    from jax import export
+
+    try:
+        with open(base + ".tree", "rb") as f:
+            out_tree, needs_kernel = _Unpickler(io.BytesIO(f.read())).load()
+        with open(base + ".jaxexport", "rb") as f:
+            exp = export.deserialize(bytearray(f.read()))
+        os.utime(base + ".jaxexport")  # recently used: evicted last
+        return exp, out_tree, bool(needs_kernel)
+    except FileNotFoundError:
+        return None
+    except Exception:  # noqa: BLE001  (a damaged or foreign entry: rebuilt)
+        for q in (base + ".tree", base + ".jaxexport"):
+            try:
+                os.remove(q)
+            except OSError:
+                pass
+        return None
+
+
+def _disabled_checks():
+    from jax import export
+
+    from specjax.models import q8
+
+    return [export.DisabledSafetyCheck.custom_call(name) for name in q8.TARGETS.values()]
+
+
+def compile_program(fn: Callable, which: str, prog, args: tuple, donate: tuple[int, ...] = ()):
+    """``fn(prog, *args)`` (a jitted function with ``prog`` static) compiled through an exported
+    module kept on disk (:func:`directory`), as an :class:`ExportedProgram`; None when exported
+    programs are off, the key is not stable or the export fails (the caller compiles as before).
+    ``donate``: positions in ``args`` whose buffers the program may reuse (as ``fn``'s own
+    ``donate_argnums``, counted without ``prog``)."""
+    d = directory()
+    if d is None:
+        return None
+    leaves, in_tree = tree_flatten(args)
+    key = program_key(which, prog, leaves, in_tree)
+    if key is None:
+        return None
+    from jax import export
+
+    starts = [0]
+    for a in args:
+        starts.append(starts[-1] + len(tree_leaves(a)))
+    donated = tuple(i for p in donate for i in range(starts[p], starts[p + 1]))
+    base = os.path.join(d, key)
+    got = _read(base)
+    loaded = got is not None
+    if got is None:
+        out = {}
+
+        def flat(*xs):
+            res = fn(prog, *tree_unflatten(in_tree, xs))
+            ys, out["tree"] = tree_flatten(res)
+            return ys
+
+        try:
+            exp = export.export(jax.jit(flat), disabled_checks=_disabled_checks())(*leaves)
+        except Exception:  # noqa: BLE001  (e.g. an effect or custom call export refuses: compile as before)
+            return None
+        needs_kernel = any("specjax_q8block" in t for t in _custom_call_targets(exp))
+        got = (exp, out["tree"], needs_kernel)
+        try:
+            os.makedirs(d, exist_ok=True)
+            _write_atomic(base + ".tree", pickle.dumps((out["tree"], needs_kernel)))
+            _write_atomic(base + ".jaxexport", bytes(exp.serialize()))
+            _evict(d)
+        except Exception:  # noqa: BLE001  (a read-only cache, no flatbuffers: this process still uses it)
+            pass
+    exp, out_tree, needs_kernel = got
+    if needs_kernel:
+        from specjax.models import q8
+
+        if q8.load() is None:
+            return None
+    compiled = jax.jit(exp.call, donate_argnums=donated).trace(*leaves).lower().compile()
+    return ExportedProgram(compiled, in_tree, out_tree, loaded)
+
+
+def _custom_call_targets(exp) -> list[str]:
+    return re.findall(r"custom_call @(\w+)", exp.mlir_module())
