@@ -100,6 +100,16 @@ def f(tmp_path_factory):
         out[f"toml_{key}"] = w(f"type_{key}.toml", f"{key} = {val}\n")
     out["split"] = w("split.json", json.dumps({"train": [0], "eval": [0]}))
     out["trunc_gguf"] = w("trunc.gguf", open(loading.default_model_path(), "rb").read(100_000))
+    # a tiny GGUF, cut in its tensor data (its header whole) and in its header
+    from test_weight_table import write_gguf
+
+    tiny = open(write_gguf(m, str(root / "tiny.gguf"), "llama"), "rb").read()
+    out["tiny_gguf"], out["tiny_gguf_size"] = str(root / "tiny.gguf"), str(len(tiny))
+    out["cut_data_gguf"] = w("cut_data.gguf", tiny[:-100])
+    out["cut_head_gguf"] = w("cut_head.gguf", tiny[:64])
+    # a .bin that is no pickle: random bytes, text
+    out["rand_bin"] = w("random.bin", bytes(range(1, 256)) * 40)
+    out["text_bin"] = w("text.bin", "these are not weights\n")
     # drafter directories broken in their drafter.json or their weights (checked before the target loads)
     weights = open(os.path.join(good, "model.safetensors"), "rb").read()
     w("bad_drafter_json/drafter.json", '{"config": {"sub_vocab": 8,,\n  "num_heads": 2}}')
@@ -247,13 +257,22 @@ EARLY = [
     # --plot into a directory that does not exist (it is not created)
     (["analyze", "--alpha", "0.5", "--c", "0.1", "--plot", "{root}/no_plot_dir/out.png"],
      ["--plot", "no_plot_dir", "does not exist", "mkdir -p"]),
+    # a truncated GGUF, from its header before anything is read: cut in the tensor data, in the header
+    ([*G, "--model", "{cut_data_gguf}"], ["cut_data.gguf is truncated", "bytes, its header needs {tiny_gguf_size}",
+                                          "re-download or re-copy it"]),
+    ([*G, "--model", "{cut_head_gguf}"], ["cut_head.gguf is truncated: 64 bytes", "ends inside its header",
+                                          "re-download or re-copy it"]),
+    ([*G, "--model", "{trunc_gguf}"], ["trunc.gguf is truncated: 100000 bytes", "re-download or re-copy it"]),
+    # a hub id not in the local Hugging Face cache: nothing downloads
+    ([*G, "--model", "nobody-xyz/not-cached-model"], ["'nobody-xyz/not-cached-model' is not in the local Hugging Face "
+                                                      "cache", "huggingface-cli download nobody-xyz/not-cached-model"]),
 ]
 
 
 @pytest.mark.parametrize("argv, words", EARLY, ids=[f"{i}-{' '.join(c[0][:1] + c[0][2:4])}" for i, c in enumerate(EARLY)])
 def test_bad_input_one_line_before_load(f, no_load, capsys, argv, words):
     rc = cli.main([a.format(**f) for a in argv])
-    one_line_error(capsys, rc, words)
+    one_line_error(capsys, rc, [w.format(**f) for w in words])
 
 
 @pytest.mark.skipif(not os.path.isdir("/sys"), reason="needs a path nobody may create")
@@ -272,7 +291,6 @@ AT_LOAD = [
     ([*G, "--model", "{nokeys}"], ["nokeys/config.json", "missing key"]),
     ([*G, "--model", "{listcfg}"], ["listcfg/config.json", "JSON object"]),
     ([*G, "--model", "{emptydir}"], ["emptydir", "no config.json"]),
-    ([*G, "--model", "{trunc_gguf}"], ["trunc.gguf", "truncated or corrupt", "re-download"]),
     ([*G, "--model", "{bin}"], ["weights.bin", "pickle", "safetensors"]),
     ([*G, "--model", "{root}/missing/model"], ["model path not found"]),
     ([*G, "--model", "{good}", "--draft", "{small_vocab}"], ["64 tokens", "128", "no tokenizer"]),
@@ -646,3 +664,15 @@ def test_gamma_auto_that_does_not_pay_decodes_without_speculation(ctx16, capsys,
     assert "not predicted to pay" in notes[0] and "best γ = 2" in notes[0] and "0.80×" in notes[0]
     st = json.loads(out)["stats"]
     assert st["draft_calls"] == 0 and st["acceptance_rate"] is None and st["new_tokens"] == 4, st
+
+
+# --------------------------------------------------------------------------- a new user's pass (turn 16)
+@pytest.mark.parametrize("name", ["rand_bin", "text_bin"])
+def test_a_bin_that_is_no_pickle_is_not_called_one(f, no_load, capsys, name):
+    """Only a file that is a pickle (protocol opcode 0x80, or torch's zip) is called one; random bytes
+    or text named ``*.bin`` are "not a checkpoint format specjax reads" (before any load)."""
+    line = one_line_error(capsys, cli.main([*G, "--model", f[name]]),
+                          [os.path.basename(f[name]), "is not a checkpoint format specjax reads", "a .gguf file",
+                           "model directory (config.json + model.safetensors)", "hub id"])
+    assert "pickle" not in line
+    one_line_error(capsys, cli.main([*G, "--model", f["bin"]]), ["weights.bin is a pickle file"])  # a real one
