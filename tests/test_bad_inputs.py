@@ -676,3 +676,20 @@ def test_a_bin_that_is_no_pickle_is_not_called_one(f, no_load, capsys, name):
                            "model directory (config.json + model.safetensors)", "hub id"])
     assert "pickle" not in line
     one_line_error(capsys, cli.main([*G, "--model", f["bin"]]), ["weights.bin is a pickle file"])  # a real one
+
+
+def test_plan_reads_a_gguf_shape(f, capsys):
+    """``specjax plan --model X.gguf``: the shape from the GGUF's metadata (as the loader reads it;
+    no weight), not the GGUF parsed as a config.json; a truncated one is named."""
+    from specjax.eval.plan import model_shape
+
+    name, cfg = model_shape(f["tiny_gguf"])
+    want = tiny_model(seed=3).config
+    assert name == "tiny.gguf" and [getattr(cfg, k) for k in ("vocab_size", "hidden_size", "num_layers", "num_heads",
+                                                              "num_kv_heads", "head_dim", "max_position_embeddings")] \
+        == [128, 64, 2, 8, 2, 8, 512] == [want.vocab_size, want.hidden_size, want.num_layers, want.num_heads,
+                                          want.num_kv_heads, want.head_dim, want.max_position_embeddings]
+    one_line_error(capsys, cli.main(["plan", "--model", f["tiny_gguf"], "--device-memory", "1KiB"]),
+                   ["tiny.gguf in bfloat16 at batch 1 × 512 tokens does not fit", "its weights alone take"])
+    one_line_error(capsys, cli.main(["plan", "--model", f["cut_data_gguf"]]),
+                   ["cut_data.gguf is truncated", "re-download or re-copy it"])

@@ -168,7 +168,7 @@ def render(fig: dict) -> str:
 def register_cli(subparsers) -> None:
     p = subparsers.add_parser("plan", help="per-device memory of a deployment, compiled without weights")
     add_model_flag(p, help="a built-in shape (llama-3.2-1b, llama-3.1-8b, llama-3.1-70b, smollm2-135m; default: "
-                           "the default model), a config.json or a model directory holding one")
+                           "the default model), a config.json, a model directory holding one, or a .gguf file")
     add_draft_flags(p)
     add_dtype_flag(p)
     add_mesh_flag(p)
