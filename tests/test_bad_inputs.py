@@ -118,6 +118,8 @@ def f(tmp_path_factory):
     w("trunc_drafter/drafter.json", '{"config": {}}')
     w("trunc_drafter/model.safetensors", weights[: len(weights) - 100])
     out["trunc_drafter"] = str(root / "trunc_drafter")
+    w("no_weights_drafter/drafter.json", '{"config": {}}')  # its model.safetensors not copied
+    out["no_weights_drafter"] = str(root / "no_weights_drafter")
     return out
 
 
@@ -266,6 +268,13 @@ EARLY = [
     # a hub id not in the local Hugging Face cache: nothing downloads
     ([*G, "--model", "nobody-xyz/not-cached-model"], ["'nobody-xyz/not-cached-model' is not in the local Hugging Face "
                                                       "cache", "huggingface-cli download nobody-xyz/not-cached-model"]),
+    # a drafter directory without its weights, named before the target loads
+    ([*G, "--draft", "{no_weights_drafter}"], ["--draft", "no_weights_drafter/model.safetensors is missing",
+                                               "has drafter.json", "copy the whole drafter directory",
+                                               "--export-only"]),
+    # --init-from a drafter with truncated weights: the check --draft uses, before any data is generated
+    (["distill", "--out", "{root}/d_init_trunc", "--prompts", "{ok_jsonl}", "--init-from", "{trunc_drafter}"],
+     ["--init-from", "trunc_drafter/model.safetensors", "truncated or corrupt", "re-download"]),
 ]
 
 
