@@ -275,6 +275,9 @@ EARLY = [
     # --init-from a drafter with truncated weights: the check --draft uses, before any data is generated
     (["distill", "--out", "{root}/d_init_trunc", "--prompts", "{ok_jsonl}", "--init-from", "{trunc_drafter}"],
      ["--init-from", "trunc_drafter/model.safetensors", "truncated or corrupt", "re-download"]),
+    # bench --out into a directory that does not exist (refused as --plot; nothing is created)
+    (["bench", "--prompts", "{ok_jsonl}", "--out", "{root}/no_out_dir/res.json"],
+     ["--out", "no_out_dir", "does not exist", "mkdir -p"]),
 ]
 
 
@@ -287,7 +290,8 @@ def test_bad_input_one_line_before_load(f, no_load, capsys, argv, words):
 @pytest.mark.skipif(not os.path.isdir("/sys"), reason="needs a path nobody may create")
 @pytest.mark.parametrize("cmd", ["bench", "distill"])
 def test_unwritable_out_before_work(f, no_load, capsys, cmd):
-    argv = [cmd, "--prompts", f["ok_jsonl"], "--out", "/sys/specjax-test/out" + (".json" if cmd == "bench" else "")]
+    # bench's --out in /sys itself (a directory that is missing is refused as missing: bench makes none)
+    argv = [cmd, "--prompts", f["ok_jsonl"], "--out", "/sys/specjax-test" + (".json" if cmd == "bench" else "/out")]
     line = one_line_error(capsys, cli.main(argv), ["--out", "/sys/specjax-test", "cannot write"])
     assert "permitted" in line or "denied" in line or "Read-only" in line
     assert not os.path.exists("/sys/specjax-test")
@@ -702,3 +706,10 @@ def test_plan_reads_a_gguf_shape(f, capsys):
                    ["tiny.gguf in bfloat16 at batch 1 × 512 tokens does not fit", "its weights alone take"])
     one_line_error(capsys, cli.main(["plan", "--model", f["cut_data_gguf"]]),
                    ["cut_data.gguf is truncated", "re-download or re-copy it"])
+
+
+def test_bench_out_into_a_missing_directory_creates_nothing(f, capsys):
+    where = os.path.join(f["root"], "no_bench_dir", "deeper")
+    one_line_error(capsys, cli.main(["bench", "--prompts", f["ok_jsonl"], "--out", os.path.join(where, "r.json")]),
+                   ["--out", "does not exist", "mkdir -p"])
+    assert not os.path.exists(os.path.join(f["root"], "no_bench_dir"))
