@@ -713,3 +713,40 @@ def test_bench_out_into_a_missing_directory_creates_nothing(f, capsys):
     one_line_error(capsys, cli.main(["bench", "--prompts", f["ok_jsonl"], "--out", os.path.join(where, "r.json")]),
                    ["--out", "does not exist", "mkdir -p"])
     assert not os.path.exists(os.path.join(f["root"], "no_bench_dir"))
+
+
+def test_cache_dir_that_is_a_file_is_one_note(f, tmp_path, monkeypatch, capsys):
+    """``SPECJAX_CACHE_DIR`` pointing at a file: one note naming the variable and the fix (not "the
+    cached conversion … was unreadable (NotADirectoryError)"); the model loads without the
+    conversion cache, and nothing is written into or next to the file."""
+    from specjax.core import paths
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    monkeypatch.setenv("SPECJAX_CACHE_DIR", str(a_file))
+    monkeypatch.delenv("SPECJAX_NO_CACHE", raising=False)
+    monkeypatch.setattr(paths, "_REFUSED", set())
+    for _ in range(2):  # said once per process
+        model = loading.load_model(f["good"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"specjax: note: SPECJAX_CACHE_DIR={a_file} is a file, not a directory: running without specjax's "
+                   "caches (converted weights, measurements: nothing is kept for the next run); point "
+                   "SPECJAX_CACHE_DIR at a directory (or unset it)"], err
+    assert model.config.vocab_size == 128 and a_file.read_text() == "x" and os.listdir(tmp_path) == ["a_file"]
+
+
+def test_a_note_during_a_phase_line_starts_on_its_own_line(capsys):
+    """A note written while a progress phase line waits for its time ends that line first; the
+    phase then writes its whole line again (the note never lands mid-line)."""
+    import time
+
+    from specjax.runtime.progress import Progress, phase
+
+    with phase(Progress(delay_s=0.01), "loading something"):
+        time.sleep(0.2)  # the line "specjax: loading something … " is open
+        common.note("in the middle")
+        common.note("and another")
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert lines[:3] == ["specjax: loading something … ", "specjax: note: in the middle", "specjax: note: and another"]
+    assert len(lines) == 4 and re.fullmatch(r"specjax: loading something … \d+\.\d s", lines[3]), err

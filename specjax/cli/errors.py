@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
+from specjax.core.notes import note  # noqa: F401  (re-exported: one stderr line ``specjax: note: …``)
 from specjax.models.config import CheckpointError
 
 
@@ -21,11 +21,6 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(2, f"specjax: error: {message} (see `{self.prog} --help`)\n")
-
-
-def note(msg: str) -> None:
-    """One stderr line ``specjax: note: …`` (something was adjusted, nothing failed)."""
-    print(f"specjax: note: {msg}", file=sys.stderr)
 
 
 def describe_error(e: BaseException) -> str:
