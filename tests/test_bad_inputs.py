@@ -278,6 +278,9 @@ EARLY = [
     # bench --out into a directory that does not exist (refused as --plot; nothing is created)
     (["bench", "--prompts", "{ok_jsonl}", "--out", "{root}/no_out_dir/res.json"],
      ["--out", "no_out_dir", "does not exist", "mkdir -p"]),
+    # a value starting with '-' taken for a flag by argparse: the hint, and what the flag says of the value
+    (["plan", "--device-memory", "-5GiB"], ["argument --device-memory: expected one argument",
+                                            "must be written --device-memory=-5GiB", "must be a positive size"]),
 ]
 
 

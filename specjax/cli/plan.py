@@ -177,6 +177,6 @@ def register_cli(subparsers) -> None:
                    help="tokens per row, prompt + new (default 4096, or the model's context if shorter)")
     p.add_argument("--prompt-len", type=int, default=None, metavar="P", help="prompt tokens per row (default L/2)")
     p.add_argument("--device-memory", default="16GiB", metavar="SIZE",
-                   help="memory per device, e.g. 16GiB (default), 80GB, 24G")
+                   help="memory per device, e.g. 16GiB (default), 80GB, 24G").check = parse_memory
     p.add_argument("--json", action="store_true", help="the figures as one JSON object (bytes as integers)")
     p.set_defaults(func=cmd_plan, dtype="bfloat16")
