@@ -753,3 +753,17 @@ def test_a_note_during_a_phase_line_starts_on_its_own_line(capsys):
     lines = err.splitlines()
     assert lines[:3] == ["specjax: loading something … ", "specjax: note: in the middle", "specjax: note: and another"]
     assert len(lines) == 4 and re.fullmatch(r"specjax: loading something … \d+\.\d s", lines[3]), err
+
+
+def test_api_sampling_rows_must_match_the_prompts():
+    """``SamplingParams.create(3, …)`` for one prompt: a ValueError naming both sizes before anything
+    is traced (JAX said "cond branches must have equal output types" after seconds of tracing)."""
+    from specjax.runtime.decoder import Decoder
+
+    d = Decoder(tiny_model(seed=3))
+    with pytest.raises(ValueError, match=re.escape("sampling has 3 rows but 1 prompt is given; create it with one row "
+                                                   "per prompt: SamplingParams.create(1, ...)")):
+        d.generate([[1, 2, 3]], sampling=specjax.SamplingParams.create(3, temperature=0.7))
+    with pytest.raises(ValueError, match="sampling must be a SamplingParams"):
+        d.generate([[1, 2, 3]], sampling=specjax.Sampling(temperature=0.7))
+    assert d._compiled == {}  # nothing was compiled
