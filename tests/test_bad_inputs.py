@@ -68,6 +68,7 @@ def f(tmp_path_factory):
     out["ok_jsonl"] = w("ok.jsonl", '{"prompt": "hello there"}\n')
     out["latin1"] = w("latin1.jsonl", b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n')
     out["empty"] = w("empty.jsonl", "\n\n")
+    out["zero_bytes"] = w("zero.jsonl", "")
     out["notobj"] = w("notobj.jsonl", '{"prompt": "ok"}\n[1, 2]\n')
     out["prompts_dir"] = str(root)
     out["a_file"] = w("a_file.txt", "x")
@@ -140,7 +141,8 @@ EARLY = [
     (["generate", "caf\udce9"], ["prompt 0", "not valid UTF-8"]),
     (["generate", "--prompts", "{latin1}"], ["latin1.jsonl:2", "not valid UTF-8", "save the file as UTF-8"]),
     (["generate", "--prompts", "{prompts_dir}"], ["is a directory", "JSONL file"]),
-    (["generate", "--prompts", "{empty}"], ["empty.jsonl", "no prompts", "empty"]),
+    (["generate", "--prompts", "{empty}"], ["empty.jsonl", "no prompts", "it has only blank lines"]),
+    (["generate", "--prompts", "{zero_bytes}"], ["zero.jsonl", "no prompts", "it is empty"]),
     (["generate", "--prompts", "{notobj}"], ["notobj.jsonl:2", "JSON object"]),
     ([*G, "--config", "{bad_toml}"], ["bad.toml", "not valid TOML", "line 2"]),
     ([*G, "--config", "{latin1_toml}"], ["latin1.toml:2", "UTF-8"]),
@@ -281,6 +283,9 @@ EARLY = [
     # a value starting with '-' taken for a flag by argparse: the hint, and what the flag says of the value
     (["plan", "--device-memory", "-5GiB"], ["argument --device-memory: expected one argument",
                                             "must be written --device-memory=-5GiB", "must be a positive size"]),
+    # a prompts file '-': read by name, not from standard input
+    ([*G[:1], "--prompts", "-"], ["--prompts -", "not from standard input", "--prompts /dev/stdin",
+                                  "specjax generate -"]),
 ]
 
 
@@ -767,3 +772,11 @@ def test_api_sampling_rows_must_match_the_prompts():
     with pytest.raises(ValueError, match="sampling must be a SamplingParams"):
         d.generate([[1, 2, 3]], sampling=specjax.Sampling(temperature=0.7))
     assert d._compiled == {}  # nothing was compiled
+
+
+def test_serve_without_its_extra_names_both_installs(monkeypatch, capsys):
+    from specjax.cli import serve
+
+    monkeypatch.setattr(serve, "serve_extra_installed", lambda: False)
+    one_line_error(capsys, cli.main(["serve"]), ['pip install -e ".[serve]" in a source checkout',
+                                                 'pip install "specjax[serve]"'])
