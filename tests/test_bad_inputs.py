@@ -540,6 +540,73 @@ def test_broken_pipe_stops_quietly(tmp_path):
     assert "tokens/s" not in err, err  # the run stopped: no per-prompt summary line
 
 
+def _interrupted_run(tmp_path, progress: bool, ready):
+    """``python -m specjax.cli generate`` on a tiny model with a long generation (``--ignore-eos``),
+    stdout and stderr piped, SIGINT (not ignored in the child) sent once ``ready(stdout, stderr)``
+    holds for the bytes read so far. Returns ``(returncode, stdout read before SIGINT, all stdout,
+    all stderr)``."""
+    import signal
+    import subprocess
+
+    from test_cli import _word_tokenizer
+
+    m = tiny_model(seed=5, max_position_embeddings=16384)
+    d = save_model(m.replace(tokenizer=_word_tokenizer(m.config.vocab_size)), str(tmp_path / "long"))
+    env = dict(os.environ, SPECJAX_NO_CACHE="1", JAX_PLATFORMS="cpu")
+    env.pop("SPECJAX_DEBUG", None)
+    env.pop("SPECJAX_NO_PROGRESS", None)
+    if not progress:
+        env["SPECJAX_NO_PROGRESS"] = "1"
+    # SIGINT not ignored in the child (as it is in a background job): a handler here becomes SIG_DFL at exec
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        p = subprocess.Popen([sys.executable, "-m", "specjax.cli", "generate", "w3 w4 w5", "--model", d, "--no-chat",
+                              "--ignore-eos", "--max-new-tokens", "16000"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, env=env)
+    finally:
+        signal.signal(signal.SIGINT, before)
+    try:
+        import select
+        import time
+
+        out, err, end = b"", b"", time.time() + 300
+        while not ready(out, err):
+            fds, _, _ = select.select([p.stdout, p.stderr], [], [], max(0.0, end - time.time()))
+            assert fds, f"timed out; stdout {out[-300:]!r}, stderr {err[-500:]!r}"
+            for fh in fds:
+                chunk = os.read(fh.fileno(), 1 << 16)
+                assert chunk, f"{'stdout' if fh is p.stdout else 'stderr'} closed; stderr {err[-500:]!r}"
+                if fh is p.stdout:
+                    out += chunk
+                else:
+                    err += chunk
+        p.send_signal(signal.SIGINT)
+        rest_out, rest_err = p.communicate(timeout=300)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    return p.returncode, out, out + rest_out, (err + rest_err).decode()
+
+
+def test_ctrl_c_while_streaming_keeps_the_text_and_exits_130(tmp_path):
+    """Ctrl+C once text has streamed: "specjax: interrupted", exit status 130 (not a SIGSEGV at the
+    interpreter's shutdown with XLA threads running, issue of turn 16), the streamed text kept."""
+    rc, first, out, err = _interrupted_run(tmp_path, progress=False, ready=lambda out, err: len(out) > 0)
+    assert rc == 130, (rc, err[-2000:])
+    assert err.strip().splitlines()[-1] == "specjax: interrupted", err[-2000:]
+    assert "Traceback" not in err and "Segmentation" not in err, err[-2000:]
+    assert first.strip() and out.startswith(first) and first.split()[0].startswith(b"w"), (first[:100], out[:100])
+
+
+def test_ctrl_c_while_compiling_exits_130(tmp_path):
+    """Ctrl+C during the compile (its progress line open, XLA's compiler threads running): exit
+    status 130 with "specjax: interrupted", not -11 (SIGSEGV) at shutdown."""
+    rc, first, out, err = _interrupted_run(tmp_path, progress=True, ready=lambda out, err: b"specjax: compiling" in err)
+    assert rc == 130, (rc, err[-2000:])
+    assert err.rstrip().endswith("specjax: interrupted"), err[-2000:]
+    assert "Traceback" not in err and "Segmentation" not in err, err[-2000:]
+
+
 @pytest.mark.parametrize("case", ["parent_is_a_file", "path_is_a_file", "read_only_dir"])
 def test_unusable_compile_cache_is_a_note(tmp_path, monkeypatch, capsys, case):
     """``SPECJAX_CACHE`` that cannot be written: one note naming the variable, the cache stays off
