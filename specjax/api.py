@@ -37,7 +37,8 @@ def check_draft_spec(spec: str | None) -> None:
 
     Raises:
       ValueError: an unknown spec, an n-gram size outside [1, ``MAX_NGRAM``], a drafter path that
-        does not exist, or a drafter directory with a broken JSON file or a truncated weights file.
+        does not exist, or a drafter directory with a broken JSON file or a missing or truncated
+        weights file.
     """
     _checked_kind(spec)
 
@@ -49,25 +50,36 @@ def _checked_kind(spec):
     if kind is not None and kind.marker is not None:
         path = os.path.expanduser(spec)
         if os.path.isdir(path):
-            _check_drafter_files(spec, path)
+            try:
+                check_drafter_files(path, kind)
+            except ValueError as e:
+                raise ValueError(f"--draft {spec}: {e}") from None
     return kind
 
 
-def _check_drafter_files(spec: str, path: str) -> None:
-    """The cheap checks of a drafter directory's files: its JSON files parse, its safetensors
-    files are complete (headers only). Raises ValueError naming the file and the fix."""
-    fix = ("re-download or re-copy the drafter, or write it again (a drafter of specjax distill: "
-           "specjax distill --out RUN --resume --export-only)")
-    try:
-        for name in registry.marker_files():
-            f = os.path.join(path, name)
-            if os.path.isfile(f):
-                read_json(f, ValueError, fix)
-        for name in sorted(os.listdir(path)):
-            if name.endswith(".safetensors"):
-                check_safetensors(os.path.join(path, name), ValueError, fix)
-    except ValueError as e:
-        raise ValueError(f"--draft {spec}: {e}") from None
+def check_drafter_files(path: str, kind=None) -> None:
+    """The cheap checks of a drafter directory's files (nothing is loaded): its JSON files parse,
+    the weights file of its kind (:attr:`~specjax.drafters.registry.DrafterKind.weights`) is
+    there, its safetensors files are complete (headers only). ``kind``: the directory's
+    :class:`~specjax.drafters.registry.DrafterKind` (default: found from its marker file).
+
+    Raises:
+      ValueError: naming the file and the fix.
+    """
+    again = "write it again (a drafter of specjax distill: specjax distill --out RUN --resume --export-only)"
+    fix = f"re-download or re-copy the drafter, or {again}"
+    for name in registry.marker_files():
+        f = os.path.join(path, name)
+        if os.path.isfile(f):
+            read_json(f, ValueError, fix)
+    kind = kind or registry.find_kind(path)
+    if kind is not None and kind.weights and not os.path.isfile(os.path.join(path, kind.weights)):
+        raise ValueError(f"{os.path.join(path, kind.weights)} is missing: the directory has {kind.marker} but not "
+                         f"the drafter's weights; copy the whole drafter directory ({kind.marker} and "
+                         f"{kind.weights}), or {again}")
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            check_safetensors(os.path.join(path, name), ValueError, fix)
 
 
 def draft_spec_proposes_trees(spec: str | None) -> bool:

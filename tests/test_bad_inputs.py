@@ -68,6 +68,7 @@ def f(tmp_path_factory):
     out["ok_jsonl"] = w("ok.jsonl", '{"prompt": "hello there"}\n')
     out["latin1"] = w("latin1.jsonl", b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n')
     out["empty"] = w("empty.jsonl", "\n\n")
+    out["zero_bytes"] = w("zero.jsonl", "")
     out["notobj"] = w("notobj.jsonl", '{"prompt": "ok"}\n[1, 2]\n')
     out["prompts_dir"] = str(root)
     out["a_file"] = w("a_file.txt", "x")
@@ -100,6 +101,16 @@ def f(tmp_path_factory):
         out[f"toml_{key}"] = w(f"type_{key}.toml", f"{key} = {val}\n")
     out["split"] = w("split.json", json.dumps({"train": [0], "eval": [0]}))
     out["trunc_gguf"] = w("trunc.gguf", open(loading.default_model_path(), "rb").read(100_000))
+    # a tiny GGUF, cut in its tensor data (its header whole) and in its header
+    from test_weight_table import write_gguf
+
+    tiny = open(write_gguf(m, str(root / "tiny.gguf"), "llama"), "rb").read()
+    out["tiny_gguf"], out["tiny_gguf_size"] = str(root / "tiny.gguf"), str(len(tiny))
+    out["cut_data_gguf"] = w("cut_data.gguf", tiny[:-100])
+    out["cut_head_gguf"] = w("cut_head.gguf", tiny[:64])
+    # a .bin that is no pickle: random bytes, text
+    out["rand_bin"] = w("random.bin", bytes(range(1, 256)) * 40)
+    out["text_bin"] = w("text.bin", "these are not weights\n")
     # drafter directories broken in their drafter.json or their weights (checked before the target loads)
     weights = open(os.path.join(good, "model.safetensors"), "rb").read()
     w("bad_drafter_json/drafter.json", '{"config": {"sub_vocab": 8,,\n  "num_heads": 2}}')
@@ -108,6 +119,8 @@ def f(tmp_path_factory):
     w("trunc_drafter/drafter.json", '{"config": {}}')
     w("trunc_drafter/model.safetensors", weights[: len(weights) - 100])
     out["trunc_drafter"] = str(root / "trunc_drafter")
+    w("no_weights_drafter/drafter.json", '{"config": {}}')  # its model.safetensors not copied
+    out["no_weights_drafter"] = str(root / "no_weights_drafter")
     return out
 
 
@@ -128,7 +141,8 @@ EARLY = [
     (["generate", "caf\udce9"], ["prompt 0", "not valid UTF-8"]),
     (["generate", "--prompts", "{latin1}"], ["latin1.jsonl:2", "not valid UTF-8", "save the file as UTF-8"]),
     (["generate", "--prompts", "{prompts_dir}"], ["is a directory", "JSONL file"]),
-    (["generate", "--prompts", "{empty}"], ["empty.jsonl", "no prompts", "empty"]),
+    (["generate", "--prompts", "{empty}"], ["empty.jsonl", "no prompts", "it has only blank lines"]),
+    (["generate", "--prompts", "{zero_bytes}"], ["zero.jsonl", "no prompts", "it is empty"]),
     (["generate", "--prompts", "{notobj}"], ["notobj.jsonl:2", "JSON object"]),
     ([*G, "--config", "{bad_toml}"], ["bad.toml", "not valid TOML", "line 2"]),
     ([*G, "--config", "{latin1_toml}"], ["latin1.toml:2", "UTF-8"]),
@@ -247,19 +261,45 @@ EARLY = [
     # --plot into a directory that does not exist (it is not created)
     (["analyze", "--alpha", "0.5", "--c", "0.1", "--plot", "{root}/no_plot_dir/out.png"],
      ["--plot", "no_plot_dir", "does not exist", "mkdir -p"]),
+    # a truncated GGUF, from its header before anything is read: cut in the tensor data, in the header
+    ([*G, "--model", "{cut_data_gguf}"], ["cut_data.gguf is truncated", "bytes, its header needs {tiny_gguf_size}",
+                                          "re-download or re-copy it"]),
+    ([*G, "--model", "{cut_head_gguf}"], ["cut_head.gguf is truncated: 64 bytes", "ends inside its header",
+                                          "re-download or re-copy it"]),
+    ([*G, "--model", "{trunc_gguf}"], ["trunc.gguf is truncated: 100000 bytes", "re-download or re-copy it"]),
+    # a hub id not in the local Hugging Face cache: nothing downloads
+    ([*G, "--model", "nobody-xyz/not-cached-model"], ["'nobody-xyz/not-cached-model' is not in the local Hugging Face "
+                                                      "cache", "huggingface-cli download nobody-xyz/not-cached-model"]),
+    # a drafter directory without its weights, named before the target loads
+    ([*G, "--draft", "{no_weights_drafter}"], ["--draft", "no_weights_drafter/model.safetensors is missing",
+                                               "has drafter.json", "copy the whole drafter directory",
+                                               "--export-only"]),
+    # --init-from a drafter with truncated weights: the check --draft uses, before any data is generated
+    (["distill", "--out", "{root}/d_init_trunc", "--prompts", "{ok_jsonl}", "--init-from", "{trunc_drafter}"],
+     ["--init-from", "trunc_drafter/model.safetensors", "truncated or corrupt", "re-download"]),
+    # bench --out into a directory that does not exist (refused as --plot; nothing is created)
+    (["bench", "--prompts", "{ok_jsonl}", "--out", "{root}/no_out_dir/res.json"],
+     ["--out", "no_out_dir", "does not exist", "mkdir -p"]),
+    # a value starting with '-' taken for a flag by argparse: the hint, and what the flag says of the value
+    (["plan", "--device-memory", "-5GiB"], ["argument --device-memory: expected one argument",
+                                            "must be written --device-memory=-5GiB", "must be a positive size"]),
+    # a prompts file '-': read by name, not from standard input
+    ([*G[:1], "--prompts", "-"], ["--prompts -", "not from standard input", "--prompts /dev/stdin",
+                                  "specjax generate -"]),
 ]
 
 
 @pytest.mark.parametrize("argv, words", EARLY, ids=[f"{i}-{' '.join(c[0][:1] + c[0][2:4])}" for i, c in enumerate(EARLY)])
 def test_bad_input_one_line_before_load(f, no_load, capsys, argv, words):
     rc = cli.main([a.format(**f) for a in argv])
-    one_line_error(capsys, rc, words)
+    one_line_error(capsys, rc, [w.format(**f) for w in words])
 
 
 @pytest.mark.skipif(not os.path.isdir("/sys"), reason="needs a path nobody may create")
 @pytest.mark.parametrize("cmd", ["bench", "distill"])
 def test_unwritable_out_before_work(f, no_load, capsys, cmd):
-    argv = [cmd, "--prompts", f["ok_jsonl"], "--out", "/sys/specjax-test/out" + (".json" if cmd == "bench" else "")]
+    # bench's --out in /sys itself (a directory that is missing is refused as missing: bench makes none)
+    argv = [cmd, "--prompts", f["ok_jsonl"], "--out", "/sys/specjax-test" + (".json" if cmd == "bench" else "/out")]
     line = one_line_error(capsys, cli.main(argv), ["--out", "/sys/specjax-test", "cannot write"])
     assert "permitted" in line or "denied" in line or "Read-only" in line
     assert not os.path.exists("/sys/specjax-test")
@@ -272,7 +312,6 @@ AT_LOAD = [
     ([*G, "--model", "{nokeys}"], ["nokeys/config.json", "missing key"]),
     ([*G, "--model", "{listcfg}"], ["listcfg/config.json", "JSON object"]),
     ([*G, "--model", "{emptydir}"], ["emptydir", "no config.json"]),
-    ([*G, "--model", "{trunc_gguf}"], ["trunc.gguf", "truncated or corrupt", "re-download"]),
     ([*G, "--model", "{bin}"], ["weights.bin", "pickle", "safetensors"]),
     ([*G, "--model", "{root}/missing/model"], ["model path not found"]),
     ([*G, "--model", "{good}", "--draft", "{small_vocab}"], ["64 tokens", "128", "no tokenizer"]),
@@ -501,6 +540,73 @@ def test_broken_pipe_stops_quietly(tmp_path):
     assert "tokens/s" not in err, err  # the run stopped: no per-prompt summary line
 
 
+def _interrupted_run(tmp_path, progress: bool, ready):
+    """``python -m specjax.cli generate`` on a tiny model with a long generation (``--ignore-eos``),
+    stdout and stderr piped, SIGINT (not ignored in the child) sent once ``ready(stdout, stderr)``
+    holds for the bytes read so far. Returns ``(returncode, stdout read before SIGINT, all stdout,
+    all stderr)``."""
+    import signal
+    import subprocess
+
+    from test_cli import _word_tokenizer
+
+    m = tiny_model(seed=5, max_position_embeddings=16384)
+    d = save_model(m.replace(tokenizer=_word_tokenizer(m.config.vocab_size)), str(tmp_path / "long"))
+    env = dict(os.environ, SPECJAX_NO_CACHE="1", JAX_PLATFORMS="cpu")
+    env.pop("SPECJAX_DEBUG", None)
+    env.pop("SPECJAX_NO_PROGRESS", None)
+    if not progress:
+        env["SPECJAX_NO_PROGRESS"] = "1"
+    # SIGINT not ignored in the child (as it is in a background job): a handler here becomes SIG_DFL at exec
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        p = subprocess.Popen([sys.executable, "-m", "specjax.cli", "generate", "w3 w4 w5", "--model", d, "--no-chat",
+                              "--ignore-eos", "--max-new-tokens", "16000"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, env=env)
+    finally:
+        signal.signal(signal.SIGINT, before)
+    try:
+        import select
+        import time
+
+        out, err, end = b"", b"", time.time() + 300
+        while not ready(out, err):
+            fds, _, _ = select.select([p.stdout, p.stderr], [], [], max(0.0, end - time.time()))
+            assert fds, f"timed out; stdout {out[-300:]!r}, stderr {err[-500:]!r}"
+            for fh in fds:
+                chunk = os.read(fh.fileno(), 1 << 16)
+                assert chunk, f"{'stdout' if fh is p.stdout else 'stderr'} closed; stderr {err[-500:]!r}"
+                if fh is p.stdout:
+                    out += chunk
+                else:
+                    err += chunk
+        p.send_signal(signal.SIGINT)
+        rest_out, rest_err = p.communicate(timeout=300)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    return p.returncode, out, out + rest_out, (err + rest_err).decode()
+
+
+def test_ctrl_c_while_streaming_keeps_the_text_and_exits_130(tmp_path):
+    """Ctrl+C once text has streamed: "specjax: interrupted", exit status 130 (not a SIGSEGV at the
+    interpreter's shutdown with XLA threads running, issue of turn 16), the streamed text kept."""
+    rc, first, out, err = _interrupted_run(tmp_path, progress=False, ready=lambda out, err: len(out) > 0)
+    assert rc == 130, (rc, err[-2000:])
+    assert err.strip().splitlines()[-1] == "specjax: interrupted", err[-2000:]
+    assert "Traceback" not in err and "Segmentation" not in err, err[-2000:]
+    assert first.strip() and out.startswith(first) and first.split()[0].startswith(b"w"), (first[:100], out[:100])
+
+
+def test_ctrl_c_while_compiling_exits_130(tmp_path):
+    """Ctrl+C during the compile (its progress line open, XLA's compiler threads running): exit
+    status 130 with "specjax: interrupted", not -11 (SIGSEGV) at shutdown."""
+    rc, first, out, err = _interrupted_run(tmp_path, progress=True, ready=lambda out, err: b"specjax: compiling" in err)
+    assert rc == 130, (rc, err[-2000:])
+    assert err.rstrip().endswith("specjax: interrupted"), err[-2000:]
+    assert "Traceback" not in err and "Segmentation" not in err, err[-2000:]
+
+
 @pytest.mark.parametrize("case", ["parent_is_a_file", "path_is_a_file", "read_only_dir"])
 def test_unusable_compile_cache_is_a_note(tmp_path, monkeypatch, capsys, case):
     """``SPECJAX_CACHE`` that cannot be written: one note naming the variable, the cache stays off
@@ -646,3 +752,98 @@ def test_gamma_auto_that_does_not_pay_decodes_without_speculation(ctx16, capsys,
     assert "not predicted to pay" in notes[0] and "best γ = 2" in notes[0] and "0.80×" in notes[0]
     st = json.loads(out)["stats"]
     assert st["draft_calls"] == 0 and st["acceptance_rate"] is None and st["new_tokens"] == 4, st
+
+
+# --------------------------------------------------------------------------- a new user's pass (turn 16)
+@pytest.mark.parametrize("name", ["rand_bin", "text_bin"])
+def test_a_bin_that_is_no_pickle_is_not_called_one(f, no_load, capsys, name):
+    """Only a file that is a pickle (protocol opcode 0x80, or torch's zip) is called one; random bytes
+    or text named ``*.bin`` are "not a checkpoint format specjax reads" (before any load)."""
+    line = one_line_error(capsys, cli.main([*G, "--model", f[name]]),
+                          [os.path.basename(f[name]), "is not a checkpoint format specjax reads", "a .gguf file",
+                           "model directory (config.json + model.safetensors)", "hub id"])
+    assert "pickle" not in line
+    one_line_error(capsys, cli.main([*G, "--model", f["bin"]]), ["weights.bin is a pickle file"])  # a real one
+
+
+def test_plan_reads_a_gguf_shape(f, capsys):
+    """``specjax plan --model X.gguf``: the shape from the GGUF's metadata (as the loader reads it;
+    no weight), not the GGUF parsed as a config.json; a truncated one is named."""
+    from specjax.eval.plan import model_shape
+
+    name, cfg = model_shape(f["tiny_gguf"])
+    want = tiny_model(seed=3).config
+    assert name == "tiny.gguf" and [getattr(cfg, k) for k in ("vocab_size", "hidden_size", "num_layers", "num_heads",
+                                                              "num_kv_heads", "head_dim", "max_position_embeddings")] \
+        == [128, 64, 2, 8, 2, 8, 512] == [want.vocab_size, want.hidden_size, want.num_layers, want.num_heads,
+                                          want.num_kv_heads, want.head_dim, want.max_position_embeddings]
+    one_line_error(capsys, cli.main(["plan", "--model", f["tiny_gguf"], "--device-memory", "1KiB"]),
+                   ["tiny.gguf in bfloat16 at batch 1 × 512 tokens does not fit", "its weights alone take"])
+    one_line_error(capsys, cli.main(["plan", "--model", f["cut_data_gguf"]]),
+                   ["cut_data.gguf is truncated", "re-download or re-copy it"])
+
+
+def test_bench_out_into_a_missing_directory_creates_nothing(f, capsys):
+    where = os.path.join(f["root"], "no_bench_dir", "deeper")
+    one_line_error(capsys, cli.main(["bench", "--prompts", f["ok_jsonl"], "--out", os.path.join(where, "r.json")]),
+                   ["--out", "does not exist", "mkdir -p"])
+    assert not os.path.exists(os.path.join(f["root"], "no_bench_dir"))
+
+
+def test_cache_dir_that_is_a_file_is_one_note(f, tmp_path, monkeypatch, capsys):
+    """``SPECJAX_CACHE_DIR`` pointing at a file: one note naming the variable and the fix (not "the
+    cached conversion … was unreadable (NotADirectoryError)"); the model loads without the
+    conversion cache, and nothing is written into or next to the file."""
+    from specjax.core import paths
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    monkeypatch.setenv("SPECJAX_CACHE_DIR", str(a_file))
+    monkeypatch.delenv("SPECJAX_NO_CACHE", raising=False)
+    monkeypatch.setattr(paths, "_REFUSED", set())
+    for _ in range(2):  # said once per process
+        model = loading.load_model(f["good"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"specjax: note: SPECJAX_CACHE_DIR={a_file} is a file, not a directory: running without specjax's "
+                   "caches (converted weights, measurements: nothing is kept for the next run); point "
+                   "SPECJAX_CACHE_DIR at a directory (or unset it)"], err
+    assert model.config.vocab_size == 128 and a_file.read_text() == "x" and os.listdir(tmp_path) == ["a_file"]
+
+
+def test_a_note_during_a_phase_line_starts_on_its_own_line(capsys):
+    """A note written while a progress phase line waits for its time ends that line first; the
+    phase then writes its whole line again (the note never lands mid-line)."""
+    import time
+
+    from specjax.runtime.progress import Progress, phase
+
+    with phase(Progress(delay_s=0.01), "loading something"):
+        time.sleep(0.2)  # the line "specjax: loading something … " is open
+        common.note("in the middle")
+        common.note("and another")
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert lines[:3] == ["specjax: loading something … ", "specjax: note: in the middle", "specjax: note: and another"]
+    assert len(lines) == 4 and re.fullmatch(r"specjax: loading something … \d+\.\d s", lines[3]), err
+
+
+def test_api_sampling_rows_must_match_the_prompts():
+    """``SamplingParams.create(3, …)`` for one prompt: a ValueError naming both sizes before anything
+    is traced (JAX said "cond branches must have equal output types" after seconds of tracing)."""
+    from specjax.runtime.decoder import Decoder
+
+    d = Decoder(tiny_model(seed=3))
+    with pytest.raises(ValueError, match=re.escape("sampling has 3 rows but 1 prompt is given; create it with one row "
+                                                   "per prompt: SamplingParams.create(1, ...)")):
+        d.generate([[1, 2, 3]], sampling=specjax.SamplingParams.create(3, temperature=0.7))
+    with pytest.raises(ValueError, match="sampling must be a SamplingParams"):
+        d.generate([[1, 2, 3]], sampling=specjax.Sampling(temperature=0.7))
+    assert d._compiled == {}  # nothing was compiled
+
+
+def test_serve_without_its_extra_names_both_installs(monkeypatch, capsys):
+    from specjax.cli import serve
+
+    monkeypatch.setattr(serve, "serve_extra_installed", lambda: False)
+    one_line_error(capsys, cli.main(["serve"]), ['pip install -e ".[serve]" in a source checkout',
+                                                 'pip install "specjax[serve]"'])

@@ -61,6 +61,7 @@ def test_bench_json_and_out(tiny_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("SPECJAX_NO_CACHE", "1")
     prompts = _spec_bench(tmp_path)
     out_file = tmp_path / "res" / "results.json"
+    out_file.parent.mkdir()  # bench makes no directory for --out (a missing one is refused)
     argv = ["bench", "--prompts", prompts, "--model", tiny_dir, "--categories", "summarization,qa", "--limit", "2",
             "--draft", "ngram", "--gamma", "2", "3", "--max-new-tokens", "8", "--batch-size", "2", "--ignore-eos",
             "--json", "--out", str(out_file), "--no-progress"]

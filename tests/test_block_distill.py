@@ -239,3 +239,30 @@ def test_distill_bench_runs_a_block_drafter(trained, setup, tmp_path):
     row = res["table"]["distilled γ=4"]
     assert row["new_tokens"] == 3 * 20 and row["alpha"] > 0, row
     assert json.loads((tmp_path / "bench" / "bench.json").read_text())["table"]["distilled γ=4"] == row
+
+
+def test_no_held_out_data_is_said_not_a_traceback(tmp_path, capsys, monkeypatch):
+    """A 1-prompt prompts file leaves no evaluation sequence: the held-out figures are no data —
+    ``null`` in history.json, "–" in the log with "no held-out data" (as the EAGLE log prints α) —
+    not a ``TypeError`` from formatting ``None`` (nor a loss of 0)."""
+    from specjax import cli
+    from specjax.io.loading import save_model
+
+    monkeypatch.setenv("SPECJAX_NO_CACHE", "1")
+    monkeypatch.setenv("SPECJAX_NO_PROGRESS", "1")
+    monkeypatch.delenv("SPECJAX_DEBUG", raising=False)
+    save_model(peaked_target(), str(tmp_path / "target"))
+    (tmp_path / "one.jsonl").write_text(json.dumps({"question_id": 0, "ids": list(range(3, 15))}) + "\n")
+    rc = cli.main(["distill", "--model", str(tmp_path / "target"), "--out", str(tmp_path / "run"), "--prompts",
+                   str(tmp_path / "one.jsonl"), *FLAGS, "--steps", "2", "--eval-every", "1", "--checkpoint-every", "2"])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert "Traceback" not in err and "specjax: error" not in err, err
+    assert "1 train / 0 eval sequences" in err, err
+    assert ("step 0: held-out loss –, agreement by slot – / – / – / –, – greedy drafts accepted per round "
+            "(0 anchors: no held-out data)") in err, err
+    assert "held-out α by draft position – / – / – / –" in err, err
+    hist = json.load(open(tmp_path / "run" / "history.json"))
+    assert [h["step"] for h in hist] == [0, 1, 2]
+    assert all(h["loss"] is None and h["accepted_per_round"] is None and h["agreement_by_slot"] == [None] * 4
+               and h["alpha_by_position"] == [None] * 4 and h["positions"] == 0 for h in hist), hist

@@ -322,7 +322,8 @@ def test_cli_without_the_serve_extra(monkeypatch, capsys):
 
     monkeypatch.setattr(serve, "serve_extra_installed", lambda: False)
     assert main(["serve"]) == 2
-    assert capsys.readouterr().err.strip() == 'specjax serve needs the serve extra: pip install "specjax[serve]"'
+    assert capsys.readouterr().err.strip() == ('specjax: error: specjax serve needs the serve extra: pip install -e '
+                                               '".[serve]" in a source checkout, or pip install "specjax[serve]"')
 
 
 @pytest.mark.parametrize("argv, words", [

@@ -308,13 +308,9 @@ def cmd_analyze(args) -> int:
 
         from specjax.eval.bench import check_writable
 
-        where = os.path.dirname(os.path.abspath(args.plot))
-        if not os.path.exists(where):
-            raise _usage(f"--plot {args.plot}: the directory {where} does not exist; create it first "
-                         f"(mkdir -p {where}) or write the plot into an existing directory")
+        check_writable(args.plot, "--plot", create=False)
         if os.path.exists(args.plot) and not args.force:
             raise _usage(f"--plot {args.plot} exists; choose a new file name or pass --force to overwrite it")
-        check_writable(args.plot, "--plot")
     if numbers:
         model_flags = [f for f in ("model", "draft", "prompts", "prompt", "config") if getattr(args, f, None)]
         if model_flags:

@@ -94,7 +94,7 @@ def cmd_bench(args) -> int:
 
     check_max_model_len(s)  # against the model's context, before anything is loaded
     prompts = select_prompts(filter_split(collect_prompts(args), args.split), args.categories, args.limit)
-    check_writable(args.out)  # before the benchmark runs, not after
+    check_writable(args.out, create=False)  # before the benchmark runs, not after; no directory is made for it
     if "auto" in dtypes:  # the fastest format on this host (a one-token step; measured once, cached)
         from specjax.runtime.progress import Progress
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 
+from specjax.core.notes import note  # noqa: F401  (re-exported: one stderr line ``specjax: note: …``)
 from specjax.models.config import CheckpointError
 
 
@@ -17,15 +19,36 @@ class UsageError(ValueError):
 
 class Parser(argparse.ArgumentParser):
     """argparse errors as one line ``specjax: error: …`` (exit status 2) naming the command and
-    pointing at ``--help``, instead of a usage block (subparsers inherit this class)."""
+    pointing at ``--help``, instead of a usage block (subparsers inherit this class). A flag
+    whose value starts with ``-`` (``--device-memory -5GiB``: argparse takes the value for a flag)
+    gets the hint to write ``--flag=VALUE``, and what the flag's ``check`` (an attribute a command
+    may set on the argument: a function raising ValueError) says of that value."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._argv = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
 
     def error(self, message):
-        self.exit(2, f"specjax: error: {message} (see `{self.prog} --help`)\n")
+        self.exit(2, f"specjax: error: {message}{self._dash_value_hint(message)} (see `{self.prog} --help`)\n")
 
-
-def note(msg: str) -> None:
-    """One stderr line ``specjax: note: …`` (something was adjusted, nothing failed)."""
-    print(f"specjax: note: {msg}", file=sys.stderr)
+    def _dash_value_hint(self, message: str) -> str:
+        m = re.fullmatch(r"argument (\S+): expected one argument", message)
+        argv = getattr(self, "_argv", [])
+        if not m:
+            return ""
+        for flag in m.group(1).split("/"):
+            i = argv.index(flag) if flag in argv else -1
+            if 0 <= i < len(argv) - 1 and argv[i + 1].startswith("-"):
+                value = argv[i + 1]
+                hint = f"; a value starting with '-' must be written {flag}={value}"
+                check = getattr(self._option_string_actions.get(flag), "check", None)
+                try:
+                    if check is not None:
+                        check(value)
+                except ValueError as e:
+                    hint += f", but that value is refused too: {e}"
+                return hint
+        return ""
 
 
 def describe_error(e: BaseException) -> str:

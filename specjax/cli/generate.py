@@ -104,9 +104,10 @@ def cmd_generate(args) -> int:
 def _load_for_generate(s: dict, gamma, mesh, progress):
     """``generate``'s target and drafter, loaded in one progress phase that names them (``--dtype
     auto`` resolved first, timing the target's step as this run calls it); ``(target, drafter)``."""
-    from specjax.io.loading import conversion_cached, recording_loads
+    from specjax.io.loading import check_source, conversion_cached, recording_loads
     from specjax.runtime.progress import phase
 
+    check_source(s["model"])  # a missing or truncated file, a hub id not in the local cache: one line, before loading
     model = "the default model (SmolLM2-135M-Instruct)" if s["model"] in (None, "default") else s["model"]
     drafting = s["draft"] not in (None, "none")
     draft = {"default": "its shipped drafter"}.get(s["draft"], f"drafter {s['draft']}")

@@ -168,7 +168,7 @@ def render(fig: dict) -> str:
 def register_cli(subparsers) -> None:
     p = subparsers.add_parser("plan", help="per-device memory of a deployment, compiled without weights")
     add_model_flag(p, help="a built-in shape (llama-3.2-1b, llama-3.1-8b, llama-3.1-70b, smollm2-135m; default: "
-                           "the default model), a config.json or a model directory holding one")
+                           "the default model), a config.json, a model directory holding one, or a .gguf file")
     add_draft_flags(p)
     add_dtype_flag(p)
     add_mesh_flag(p)
@@ -177,6 +177,6 @@ def register_cli(subparsers) -> None:
                    help="tokens per row, prompt + new (default 4096, or the model's context if shorter)")
     p.add_argument("--prompt-len", type=int, default=None, metavar="P", help="prompt tokens per row (default L/2)")
     p.add_argument("--device-memory", default="16GiB", metavar="SIZE",
-                   help="memory per device, e.g. 16GiB (default), 80GB, 24G")
+                   help="memory per device, e.g. 16GiB (default), 80GB, 24G").check = parse_memory
     p.add_argument("--json", action="store_true", help="the figures as one JSON object (bytes as integers)")
     p.set_defaults(func=cmd_plan, dtype="bfloat16")

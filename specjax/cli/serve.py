@@ -12,7 +12,8 @@ import time
 from specjax.cli.common import UsageError, add_model_args, note, parse_gamma, resolve
 from specjax.runtime.spec_policy import SPECULATION
 
-EXTRA_MISSING = 'specjax serve needs the serve extra: pip install "specjax[serve]"'
+EXTRA_MISSING = ('specjax serve needs the serve extra: pip install -e ".[serve]" in a source checkout, or '
+                 'pip install "specjax[serve]"')
 
 
 def serve_extra_installed() -> bool:
@@ -74,8 +75,7 @@ def _check_port_free(host: str, port: int) -> None:
 
 def cmd_serve(args) -> int:
     if not serve_extra_installed():
-        print(EXTRA_MISSING, file=sys.stderr)
-        return 2
+        raise UsageError(EXTRA_MISSING)
     from specjax.cli.generate import _load_for_generate
     from specjax.runtime.progress import Progress
 

@@ -2,11 +2,16 @@
 JAX's compilation cache (``converted/`` for :mod:`specjax.io.convcache`, ``measured/`` for
 :mod:`specjax.eval.hostcache`, ``kernels/`` for :mod:`specjax.models.q8`).
 
-A bottom-layer module (imports nothing of specjax), so that every layer may use the one rule."""
+A bottom-layer module (imports only :mod:`specjax.core.notes`), so that every layer may use the one
+rule; :func:`usable_cache_dir` says (once) when that directory cannot be one."""
 
 from __future__ import annotations
 
 import os
+
+from specjax.core import notes
+
+_REFUSED: set = set()  # cache directories already said to be unusable (one note per process)
 
 
 def cache_dir() -> str:
@@ -19,3 +24,27 @@ def cache_dir() -> str:
     if os.environ.get("XDG_CACHE_HOME"):
         return os.path.join(os.path.expanduser(os.environ["XDG_CACHE_HOME"]), "specjax")
     return os.path.expanduser("~/.cache/specjax")
+
+
+def usable_cache_dir() -> str | None:
+    """:func:`cache_dir` when it is a directory or can be made one, else ``None`` after one
+    ``specjax: note:`` per process naming the variable that points there, the file in the way
+    and the fix (the run goes on without specjax's caches)."""
+    d = cache_dir()
+    cur = d
+    while cur and not os.path.exists(cur):
+        parent = os.path.dirname(cur)
+        if parent == cur:
+            break
+        cur = parent
+    if not os.path.exists(cur) or os.path.isdir(cur):
+        return d
+    if d not in _REFUSED:
+        _REFUSED.add(d)
+        var = next((v for v in ("SPECJAX_CACHE_DIR", "XDG_CACHE_HOME") if os.environ.get(v)), None)
+        where = f"{var}={os.environ[var]}" if var else f"the cache directory {d}"
+        what = "is a file" if cur == d else f"is under {cur}, a file"
+        fix = f"point {var} at a directory (or unset it)" if var else f"move the file {cur} away"
+        notes.note(f"{where} {what}, not a directory: running without specjax's caches (converted weights, "
+                   f"measurements: nothing is kept for the next run); {fix}")
+    return None

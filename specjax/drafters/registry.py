@@ -57,6 +57,8 @@ class DrafterKind:
       (the loading needs :mod:`specjax.io`).
     marker: the JSON file that marks a drafter directory of this kind (``None``: not a directory);
       :func:`specjax.api.check_draft_spec` checks a directory's JSON and weights files.
+    weights: the weights file a directory of this kind must hold (``None``: none named), checked
+      before the target loads (:func:`specjax.api.check_drafter_files`).
     trainer: ``"module:function"`` of its ``specjax distill --arch NAME`` training entry (called
       with the parsed arguments), or ``None`` (not trainable).
     """
@@ -69,6 +71,7 @@ class DrafterKind:
     load: Callable[[str, Any, str], Drafter] | None = None
     marker: str | None = None
     trainer: str | None = None
+    weights: str | None = None
 
     @property
     def proposes_trees(self) -> bool:
@@ -177,9 +180,10 @@ KINDS: dict[str, DrafterKind] = {k.name: k for k in (
     DrafterKind("shipped", "a shipped drafter", BlockDrafter, lambda s: s.startswith(SHIPPED_PREFIX), _check_shipped),
     DrafterKind("block", "a block drafter from specjax distill", BlockDrafter,
                 lambda s: _has_file(s, block.MARKER), _no_check, load=_load_block, marker=block.MARKER,
-                trainer="specjax.train.block_distill:run"),
+                trainer="specjax.train.block_distill:run", weights="model.safetensors"),
     DrafterKind("eagle", "a drafter from specjax distill", EagleDrafter, lambda s: _has_file(s, "drafter.json"),
-                _no_check, load=_load_eagle, marker="drafter.json", trainer="specjax.train.distill:run"),
+                _no_check, load=_load_eagle, marker="drafter.json", trainer="specjax.train.distill:run",
+                weights="model.safetensors"),
     DrafterKind("eagle3-head", "a published EAGLE-3 head", Eagle3HeadDrafter, is_head_dir, _check_head,
                 load=_load_head),  # before model: a head's directory has a config.json too
     DrafterKind("model", "a draft model", ModelDrafter, _is_model, _check_model, marker="config.json"),  # keep last

@@ -105,13 +105,13 @@ def check_out_path(path: str | None, force: bool) -> None:
         raise ValueError(f"--out {path} exists; choose another file or pass --force to overwrite it")
 
 
-def check_writable(path: str | None, flag: str = "--out") -> None:
+def check_writable(path: str | None, flag: str = "--out", create: bool = True) -> None:
     """Fail now, not after the work, when ``path`` cannot be written: create its parent
-    directory, open and remove a temporary file there (directories it created for a
-    failed check are removed again).
+    directory (``create``; else a missing one is refused), open and remove a temporary file
+    there (directories it created for a failed check are removed again).
 
     Raises:
-      UsageError: naming the path and why (a file in the way, permission denied, …).
+      UsageError: naming the path and why (a file in the way, a missing directory, permission denied, …).
     """
     if not path:
         return
@@ -125,6 +125,9 @@ def check_writable(path: str | None, flag: str = "--out") -> None:
             cur = os.path.dirname(cur)
         if not os.path.isdir(cur):
             raise ValueError(f"{flag} {path}: {cur} is a file, not a directory; choose another path")
+        if created and not create:
+            raise ValueError(f"{flag} {path}: the directory {d} does not exist; create it first (mkdir -p {d}) or "
+                             "give a path in an existing directory")
         os.makedirs(d, exist_ok=True)
         with open(probe, "w"):
             pass

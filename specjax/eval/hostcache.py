@@ -25,20 +25,17 @@ import hashlib
 import json
 import os
 import platform
-import sys
 import tempfile
 from typing import Any, Callable
 
 import numpy as np
 
+from specjax.core import notes
+from specjax.core.paths import usable_cache_dir
 from specjax.io.convcache import cache_dir  # noqa: F401  (one rule for every specjax cache)
 
 FORMAT_VERSION = 1  # bump when a stored value's meaning changes: older files then never match
 _CPU_FLAGS = ("avx", "amx", "fma", "f16c")  # flag prefixes that change kernel speed
-
-
-def _note(msg: str) -> None:
-    print(f"specjax: note: {msg}", file=sys.stderr, flush=True)
 
 
 @functools.lru_cache(maxsize=1)
@@ -165,7 +162,7 @@ class HostCache:
 
     def __init__(self, path: str | None = None, note: Callable[[str], None] | None = None):
         self.dir = os.path.join(path or cache_dir(), "measured")
-        self.note = note or _note
+        self.note = note or notes.note
 
     def key(self, kind: str, parts: dict) -> dict:
         """The full key of an entry: ``kind``, the format version, this host and ``parts``."""
@@ -224,8 +221,9 @@ class HostCache:
 
 def default_cache() -> HostCache | None:
     """The command line's cache: a :class:`HostCache` in :func:`cache_dir`, or ``None`` when
-    ``SPECJAX_NO_CACHE`` is set (every run measures, nothing is written)."""
-    if os.environ.get("SPECJAX_NO_CACHE"):
+    ``SPECJAX_NO_CACHE`` is set or the cache directory is not usable (a file: one note,
+    :func:`specjax.core.paths.usable_cache_dir`): every run measures, nothing is written."""
+    if os.environ.get("SPECJAX_NO_CACHE") or usable_cache_dir() is None:
         return None
     return HostCache()
 

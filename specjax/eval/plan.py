@@ -111,11 +111,13 @@ class PlanRequest:
 def model_shape(model: str | None) -> tuple[str, ModelConfig]:
     """``(name, config)`` of a plan's ``--model``: ``None`` or ``"default"`` (the default model,
     SmolLM2-135M-Instruct), a published shape name (:data:`specjax.models.shapes.SHAPES`), a
-    ``config.json`` file or a model directory holding one. Nothing else is read (no weights, no hub).
+    ``config.json`` file or a model directory holding one, or a ``.gguf`` file (its metadata, as
+    :func:`specjax.io.loading.load_model` reads it). Nothing else is read (no weights, no hub).
 
     Raises:
-      ValueError: an unknown name (names the built-in shapes); CheckpointError: a config.json that
-        is not a supported architecture; OSError / JSONDecodeError: an unreadable or invalid file.
+      ValueError: an unknown name (names the built-in shapes); CheckpointError: a config.json or
+        GGUF file that is not a supported architecture, or a truncated GGUF file; OSError /
+        JSONDecodeError: an unreadable or invalid file.
     """
     import json
     import os
@@ -133,8 +135,12 @@ def model_shape(model: str | None) -> tuple[str, ModelConfig]:
         path = os.path.join(path, "config.json")
     if not os.path.isfile(path):
         raise ValueError(f"unknown --model {model!r}: give a built-in shape ({', '.join(SHAPES)}, or "
-                         f"{DEFAULT_MODEL}), a config.json file or a model directory holding one (a plan reads no "
-                         "weights and downloads nothing)")
+                         f"{DEFAULT_MODEL}), a config.json file, a model directory holding one or a .gguf file (a "
+                         "plan reads no weights and downloads nothing)")
+    if path.endswith(".gguf"):  # the shape from its metadata (the tensors are not read)
+        from specjax.io import gguf
+
+        return os.path.basename(path), gguf.config_from_gguf(gguf.open_gguf(path))
     try:
         d = json.loads(read_utf8(path))
     except json.JSONDecodeError as e:

@@ -36,7 +36,6 @@ import functools
 import hashlib
 import json
 import os
-import sys
 import tempfile
 import time
 import warnings
@@ -44,7 +43,8 @@ from typing import Callable
 
 import numpy as np
 
-from specjax.core.paths import cache_dir  # noqa: F401  (the rule lives in core: every layer uses it)
+from specjax.core import notes
+from specjax.core.paths import cache_dir, usable_cache_dir  # noqa: F401  (the rule lives in core: every layer uses it)
 
 # Bump when the conversion's result changes in a way the hashed sources below do not show
 # (they are hashed too, so an edit of them alone needs no bump).
@@ -62,12 +62,9 @@ _DIGESTS: dict = {}  # real path -> {"size", "mtime_ns", "sha256"}, this process
 
 
 def enabled() -> bool:
-    """Whether the cache is on (``SPECJAX_NO_CACHE`` unset or empty)."""
-    return not os.environ.get("SPECJAX_NO_CACHE")
-
-
-def _note(msg: str) -> None:
-    print(f"specjax: note: {msg}", file=sys.stderr, flush=True)
+    """Whether the cache is on: ``SPECJAX_NO_CACHE`` unset or empty, and :func:`cache_dir` usable
+    (:func:`specjax.core.paths.usable_cache_dir`: else one note says why it is off)."""
+    return not os.environ.get("SPECJAX_NO_CACHE") and usable_cache_dir() is not None
 
 
 def _oneline(e: BaseException) -> str:
@@ -137,7 +134,7 @@ class ConversionCache:
     def __init__(self, source: str, root: str | None = None, note: Callable[[str], None] | None = None):
         self.source = os.path.realpath(source)
         self.dir = os.path.join(root or cache_dir(), "converted")
-        self.note = note or _note
+        self.note = note or notes.note
         self._digest: str | None = None
 
     # ---------------------------------------------------------------- keys

@@ -86,6 +86,58 @@ _GGUF_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12:
 _GGUF_INTS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 10: "<Q", 11: "<q"}
 
 
+class _GGUFHeader:
+    """Reads a GGUF file's header (magic, counts, metadata, tensor table) with plain file reads,
+    seeking over what it does not need; :class:`EOFError` where the file ends inside it."""
+
+    def __init__(self, f):
+        import struct
+
+        self.f = f
+        self._struct = struct
+        if f.read(4) != b"GGUF":
+            raise ValueError("not a GGUF file")
+        version = self.read("<I")
+        count = "<I" if version == 1 else "<Q"
+        self.tensors, self.fields = self.read(count), self.read(count)
+
+    def read(self, fmt):
+        size = self._struct.calcsize(fmt)
+        data = self.f.read(size)
+        if len(data) != size:
+            raise EOFError
+        return self._struct.unpack(fmt, data)[0]
+
+    def string(self) -> str:
+        n = self.read("<Q")
+        if n > 1 << 20:
+            raise ValueError(f"a string of {n} bytes")
+        data = self.f.read(n)
+        if len(data) != n:
+            raise EOFError
+        return data.decode("utf-8", "replace")
+
+    def skip(self, vtype: int, n: int | None = None, itype: int | None = None) -> None:
+        """Skip a value of ``vtype`` (an array: its item type ``itype`` and length ``n`` when
+        already read)."""
+        if vtype == 9:
+            if itype is None:
+                itype, n = self.read("<I"), self.read("<Q")
+            if itype in _GGUF_SIZES:
+                self.f.seek(n * _GGUF_SIZES[itype], 1)
+            elif itype == 8:
+                for _ in range(n):
+                    self.f.seek(self.read("<Q"), 1)
+            else:
+                raise ValueError(f"array item type {itype}")
+        elif vtype == 8:
+            self.f.seek(self.read("<Q"), 1)
+        elif vtype in _GGUF_SIZES:
+            self.f.seek(_GGUF_SIZES[vtype], 1)
+        else:
+            raise ValueError(f"value type {vtype}")
+
+
 def gguf_vocab_size(path: str) -> int | None:
     """The vocabulary size of a GGUF file from the start of its metadata (``<arch>.vocab_size``,
     else the length of ``tokenizer.ggml.tokens``) without reading the vocabulary or any tensor
@@ -106,45 +158,74 @@ def _gguf_int(path: str, suffix: str, tokens: bool) -> int | None:
 
     try:
         with open(path, "rb") as f:
-            def read(fmt):
-                size = struct.calcsize(fmt)
-                data = f.read(size)
-                if len(data) != size:
-                    raise EOFError
-                return struct.unpack(fmt, data)[0]
-
-            def string():
-                n = read("<Q")
-                if n > 1 << 20:
-                    raise EOFError
-                return f.read(n).decode("utf-8", "replace")
-
-            if f.read(4) != b"GGUF":
-                return None
-            version = read("<I")
-            count = "<I" if version == 1 else "<Q"
-            read(count)  # tensors
-            for _ in range(read(count)):
-                key, vtype = string(), read("<I")
+            h = _GGUFHeader(f)
+            for _ in range(h.fields):
+                key, vtype = h.string(), h.read("<I")
                 if vtype == 9:  # array: item type, count, items
-                    itype, n = read("<I"), read("<Q")
+                    itype, n = h.read("<I"), h.read("<Q")
                     if tokens and key == "tokenizer.ggml.tokens":
                         return int(n)
-                    if itype in _GGUF_SIZES:
-                        f.seek(n * _GGUF_SIZES[itype], 1)
-                    elif itype == 8 and (n <= 4096 or not tokens):  # strings (general.languages, the vocabulary)
-                        for _ in range(n):
-                            f.seek(read("<Q"), 1)
-                    else:
+                    if itype == 8 and n > 4096 and tokens:  # a long string array before the vocabulary: give up
                         return None
-                elif vtype == 8:
-                    string()
-                elif vtype in _GGUF_SIZES:
-                    if key.endswith(suffix) and vtype in _GGUF_INTS:
-                        return int(read(_GGUF_INTS[vtype]))
-                    f.seek(_GGUF_SIZES[vtype], 1)
+                    h.skip(vtype, n, itype)
+                elif key.endswith(suffix) and vtype in _GGUF_INTS:
+                    return int(h.read(_GGUF_INTS[vtype]))
                 else:
-                    return None
+                    h.skip(vtype)
     except (OSError, EOFError, struct.error, OverflowError, ValueError):
         return None
     return None
+
+
+def check_gguf(path: str, error: type[Exception] = ValueError, fix: str = "re-download or re-copy it") -> None:
+    """Check that the GGUF file ``path`` is complete from its header alone (no tensor is read):
+    the metadata and tensor table end inside the file, and every tensor's data (its offset plus
+    its size, from its shape and type) does too. A header this cannot parse, or a tensor type it
+    does not know, is left to the reader.
+
+    Raises:
+      error: ``path is truncated: N bytes, …; <fix>``.
+      OSError: the file cannot be read.
+    """
+    import os
+    import struct
+
+    try:
+        from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT
+    except ImportError:  # pragma: no cover  (a dependency)
+        return
+    sizes = {int(k): v for k, v in GGML_QUANT_SIZES.items()}
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        try:
+            h = _GGUFHeader(f)
+            align = GGUF_DEFAULT_ALIGNMENT
+            for _ in range(h.fields):
+                key, vtype = h.string(), h.read("<I")
+                if key == "general.alignment" and vtype in _GGUF_INTS:
+                    align = int(h.read(_GGUF_INTS[vtype])) or GGUF_DEFAULT_ALIGNMENT
+                else:
+                    h.skip(vtype)
+            end = 0
+            for _ in range(h.tensors):
+                h.string()
+                dims = [h.read("<Q") for _ in range(h.read("<I"))]
+                ttype, offset = h.read("<I"), h.read("<Q")
+                if ttype not in sizes:
+                    continue
+                block, nbytes = sizes[ttype]
+                n = 1
+                for d in dims:
+                    n *= d
+                end = max(end, offset + n // block * nbytes)
+            start = f.tell()
+        except EOFError:
+            why = "it ends inside its header (the metadata and tensor table)"
+        except (ValueError, struct.error, OverflowError):
+            return  # not a header this reads: the GGUF reader says what is wrong
+        else:
+            need = start + (-start % align) + end
+            if size >= need and start <= size:
+                return
+            why = f"its header needs {need}"
+    raise error(f"{path} is truncated: {size} bytes, {why}; {fix}")

@@ -37,9 +37,25 @@ def drop_fields(reader) -> None:
     gc.collect()
 
 
+def check_complete(path: str) -> None:
+    """A GGUF file's size against its header (:func:`specjax.io.files.check_gguf`; milliseconds,
+    no tensor read). Raises CheckpointError naming the file, its size, the size its header needs
+    and the fix."""
+    from specjax.io.files import check_gguf
+
+    check_gguf(path, CheckpointError, "re-download or re-copy it")
+
+
 def open_gguf(path: str):
+    """The ``gguf`` reader of ``path``, after :func:`check_complete`, so a truncated file is
+    named before anything is read.
+
+    Raises:
+      CheckpointError: a truncated file, or one the reader cannot parse.
+    """
     import gguf
 
+    check_complete(path)
     try:
         return gguf.GGUFReader(path)
     except Exception as e:  # gguf raises ValueError/struct errors on bad files

@@ -14,6 +14,8 @@ from specjax.models import llama
 from specjax.models.config import GEMMA_TYPES, CheckpointError, ModelConfig
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+CHECKPOINT_FORMATS = ("a .gguf file, a Hugging Face model directory (config.json + model.safetensors) or a hub id "
+                      "like 'HuggingFaceTB/SmolLM2-135M-Instruct'")
 # a multimodal checkpoint's language model (Gemma 3 4b/12b/27b): its tensor names, in the layouts of
 # transformers before and after 5.0, and the vision parts that are skipped
 LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
@@ -48,6 +50,32 @@ def hf_tensor_path(name: str, cfg: ModelConfig, names: dict | None = None):
     if spec.tied_to is not None and not spec.present(cfg):
         return None
     return path, tensor.hf_transpose, spec.norm_offset("hf", cfg)
+
+
+def is_pickle(path: str) -> bool:
+    """Whether the file ``path`` is a pickle by its first bytes: the protocol opcode (0x80,
+    protocols 2 and later) or a zip archive (PyTorch's ``torch.save`` format). Nothing is unpickled."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        return False
+    return head[:1] == b"\x80" or head == b"PK\x03\x04"
+
+
+def check_model_file(path: str) -> None:
+    """A file given as a model that is not a ``.gguf`` file: refused, as a pickle only when it is
+    one (:func:`is_pickle`), a file of a model directory (``config.json``, ``*.safetensors``) by
+    pointing at the directory, anything else as not a format specjax reads.
+
+    Raises:
+      CheckpointError: always, naming the file and what specjax reads.
+    """
+    if is_pickle(path):
+        raise CheckpointError(f"{path} is a pickle file; specjax never unpickles. Convert it to safetensors.")
+    if path.endswith((".safetensors", ".json")):
+        raise CheckpointError(f"{path} is a file but not .gguf; pass the model directory holding it instead")
+    raise CheckpointError(f"{path} is not a checkpoint format specjax reads; pass {CHECKPOINT_FORMATS}")
 
 
 def safetensor_files(path: str) -> list[str]:
@@ -105,20 +133,29 @@ def iter_hf_tensors(path: str, cfg: ModelConfig):
 
 
 def resolve_hub(model_id: str) -> str:
-    """Download (or find in the local cache) a hub checkpoint; clear error when offline."""
+    """The local Hugging Face cache's snapshot of a hub checkpoint (nothing is downloaded).
+
+    Raises:
+      CheckpointError: the id is not in the local cache (says how to get it there), or the
+        cache cannot be read.
+    """
+    fetch = (f"fetch it once where there is a network (`huggingface-cli download {model_id}`), or pass a local "
+             "directory with config.json, model.safetensors and tokenizer.json (or a .gguf file)")
     try:
         from huggingface_hub import snapshot_download
-
-        return snapshot_download(
-            model_id,
-            allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.jinja"],
-        )
-    except Exception as e:  # offline, unknown repo, gated, …
-        raise CheckpointError(
-            f"could not get {model_id!r} from the Hugging Face hub ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). "
-            "If you are offline, pass a local directory with config.json, model.safetensors and tokenizer.json "
-            "(or a .gguf file)."
-        ) from None
+        from huggingface_hub.errors import LocalEntryNotFoundError
+    except ImportError:  # pragma: no cover  (a dependency)
+        raise CheckpointError(f"{model_id!r} looks like a hub id, and huggingface_hub is not installed; {fetch}") from None
+    try:
+        return snapshot_download(model_id, local_files_only=True,
+                                 allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.jinja"])
+    except LocalEntryNotFoundError:
+        raise CheckpointError(f"{model_id!r} is not in the local Hugging Face cache (specjax reads hub ids from it and "
+                              f"downloads nothing); {fetch}") from None
+    except Exception as e:  # an unreadable cache, a malformed id, …
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise CheckpointError(f"could not read {model_id!r} from the local Hugging Face cache ({type(e).__name__}: "
+                              f"{first}); {fetch}") from None
 
 
 def read_hf_config(cfg_file: str) -> ModelConfig:

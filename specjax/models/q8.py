@@ -38,13 +38,13 @@ import os
 import platform
 import shutil
 import subprocess
-import sys
 import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.core import notes
 from specjax.core.paths import cache_dir
 
 BLOCK = 32
@@ -59,10 +59,6 @@ DEFAULT_THREADS = 1
 
 
 # ------------------------------------------------------------------ build / load
-def _note(msg: str) -> None:
-    print(f"specjax: note: {msg}", file=sys.stderr, flush=True)
-
-
 def _compiler() -> str | None:
     for name in (os.environ.get("CXX"), "g++", "c++"):
         if name and shutil.which(name):
@@ -140,7 +136,7 @@ def _load():
         return lib, None
     except Exception as e:  # noqa: BLE001  (any failure: the reference is used)
         reason = f"{type(e).__name__}: {' '.join(str(e).split())}"[:400]
-        _note(f"the block int8 CPU kernel is not available ({reason}); using the jnp reference")
+        notes.note(f"the block int8 CPU kernel is not available ({reason}); using the jnp reference")
         return None, reason
 
 
@@ -156,7 +152,7 @@ def unavailable_reason() -> str | None:
 
 @functools.lru_cache(maxsize=None)
 def _backend_note(backend: str) -> None:
-    _note(f"the block int8 CPU kernel is not used on the {backend} backend; using the jnp reference")
+    notes.note(f"the block int8 CPU kernel is not used on the {backend} backend; using the jnp reference")
 
 
 def available() -> bool:

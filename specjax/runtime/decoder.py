@@ -370,6 +370,13 @@ class Decoder:
             prompt[i, : len(p)] = p
         if sampling is None:
             sampling = SamplingParams.create(b)
+        elif not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling must be a SamplingParams (SamplingParams.create({b}, temperature=...)), got "
+                             f"{type(sampling).__name__}")
+        elif sampling.batch != b:  # before anything is traced (JAX's message would be about cond branches)
+            raise ValueError(f"sampling has {sampling.batch} rows but {b} prompt{'s are' if b != 1 else ' is'} given; "
+                             f"create it with one row per prompt: SamplingParams.create({b}, ...) (or "
+                             "SamplingParams.from_rows with one Sampling per prompt)")
         sampling.with_vocab(cfg.vocab_size)
         if keys is None:
             keys = request_keys(seed, b, seed_offset)

@@ -3,7 +3,9 @@
 The command line passes a :class:`Progress`; library calls pass ``None`` and stay silent.
 Standard output is never written, so ``--json`` output stays clean. A phase that fails
 within ``Progress.delay_s`` prints nothing, so a bad input still gives exactly one
-``specjax: error: …`` line.
+``specjax: error: …`` line. A note written while a phase line waits for its time
+(:func:`specjax.core.notes.note`) goes on a line of its own, and the phase's line is written
+whole when it ends.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import sys
 import threading
 import time
 from typing import IO, Iterator
+
+from specjax.core import notes
 
 
 class Progress:
@@ -26,13 +30,14 @@ class Progress:
         self.stream = stream
         self.prefix = prefix
         self.delay_s = delay_s
-        self._lock = threading.Lock()
+
+    @property
+    def out(self) -> IO[str]:
+        return self.stream if self.stream is not None else sys.stderr
 
     def write(self, text: str) -> None:
-        out = self.stream if self.stream is not None else sys.stderr
-        with self._lock:
-            out.write(text)
-            out.flush()
+        """Whole lines (after ending a phase line left open: :func:`specjax.core.notes.write_lines`)."""
+        notes.write_lines(self.out, text)
 
     def note(self, text: str) -> None:
         """A line of its own (``specjax: <text>``)."""
@@ -53,13 +58,12 @@ def phase(progress: Progress | None, what: str) -> Iterator[Phase]:
     if progress is None:
         yield ph
         return
-    shown = threading.Event()
+    shown: list = []  # the open line's token (specjax.core.notes.open_line)
     done = threading.Event()
 
     def show():
         if not done.wait(progress.delay_s):
-            progress.write(f"{progress.prefix}{what} … ")
-            shown.set()
+            shown.append(notes.open_line(progress.out, f"{progress.prefix}{what} … "))
 
     timer = threading.Thread(target=show, daemon=True)
     t0 = time.perf_counter()
@@ -72,7 +76,7 @@ def phase(progress: Progress | None, what: str) -> Iterator[Phase]:
         done.set()
         timer.join()
         seconds = time.perf_counter() - t0
-        if shown.is_set():
-            progress.write(f"{seconds:.1f} s{' (failed)' if failed else ph.detail}\n")
+        if shown:
+            notes.close_line(shown[0], f"{seconds:.1f} s{' (failed)' if failed else ph.detail}\n")
         elif not failed:
             progress.write(f"{progress.prefix}{what} … {seconds:.1f} s{ph.detail}\n")

@@ -39,7 +39,7 @@ from specjax.train.data import choose_sub_vocab
 from specjax.train.export import export_drafter
 # the run's shared steps (run directory, loading, data, split): specjax.train.distill's
 from specjax.train.distill import load_run, make_data, open_run, DistillRun, split_indices
-from specjax.train.loop import TrainState, format_alphas, make_optimizer, open_checkpoints, record_eval, \
+from specjax.train.loop import TrainState, format_alphas, format_figure, make_optimizer, open_checkpoints, record_eval, \
     restore_latest, train
 from specjax.train.options import BLOCK_KEYS, RUN_KEYS
 
@@ -178,9 +178,10 @@ def _train(r: DistillRun, args, ds, split_idx, sub_ids, sub_pos, init):
         if held_out is None:
             held_out = eval_batches(seqs, data, eval_idx, sub_pos, s.window, cfg.feature_size, s.batch_size, gamma)
         res = record_eval(out, state, step, evaluate_block(ev, state.params, frozen, held_out, gamma, weights))
-        log(f"step {step}: held-out loss {res['loss']:.3f}, agreement by slot "
-            f"{' / '.join(f'{x:.3f}' for x in res['agreement_by_slot'])}, {res['accepted_per_round']:.2f} greedy "
-            f"drafts accepted per round ({res['positions']} anchors)")
+        log(f"step {step}: held-out loss {format_figure(res['loss'])}, agreement by slot "
+            f"{' / '.join(format_figure(x) for x in res['agreement_by_slot'])}, "
+            f"{format_figure(res['accepted_per_round'], 2)} greedy drafts accepted per round ({res['positions']} anchors"
+            f"{'' if res['positions'] else ': no held-out data'})")
         return res
 
     if getattr(args, "export_only", False):  # write DIR/drafter from the latest checkpoint, no training

@@ -162,14 +162,15 @@ def summarize(v: np.ndarray, gamma: int) -> dict:
     (chain α_i: of the anchors whose first i − 1 drafts agree with the target's greedy tokens, the
     fraction whose i-th does too), ``agreement_by_slot`` (each slot alone), ``accepted_per_round``
     (Σ_i Π_{j<=i} α_j, greedy drafts accepted per round), ``loss`` (held-out weighted cross-entropy)
-    and ``positions`` (anchors); an α nothing scored is ``None`` (no data)."""
+    and ``positions`` (anchors); an α nothing scored is ``None`` (no data), and with no anchor at all
+    (no held-out sequence) so are the loss and ``accepted_per_round``."""
     st = v[: 4 * gamma].reshape(4, gamma)
     alpha = st[2] / np.maximum(st[3], 1)  # 0 where unscored: no anchor's earlier drafts all agreed
     by_pos = [ratio(a, n) for a, n in zip(st[2].tolist(), st[3].tolist())]
     return {"alpha": by_pos[0], "alpha_by_position": by_pos,
             "agreement_by_slot": [ratio(a, n) for a, n in zip(st[0].tolist(), st[1].tolist())],
-            "accepted_per_round": float(np.cumprod(alpha).sum()), "loss": float(v[-2] / max(v[-1], 1e-9)),
-            "positions": int(st[1][0])}
+            "accepted_per_round": float(np.cumprod(alpha).sum()) if st[3][0] else None,
+            "loss": ratio(float(v[-2]), float(v[-1])), "positions": int(st[1][0])}
 
 
 def eval_batches(seqs, data, eval_idx, sub_pos, window: int, d: int, batch_size: int, gamma: int) -> list:
@@ -194,7 +195,7 @@ def eval_batches(seqs, data, eval_idx, sub_pos, window: int, d: int, batch_size:
 def evaluate_block(ev, tp, frozen, batches: list, gamma: int, weights: np.ndarray) -> dict:
     """Held-out evaluation of a block drafter on :func:`eval_batches`, pooled and per category:
     :func:`summarize`'s keys plus ``by_category`` (``{category: the same}``). ``ev``:
-    :func:`make_block_eval`. No eval sequence: every α is 0."""
+    :func:`make_block_eval`. No eval sequence: every figure is ``None`` (no data)."""
     import jax.numpy as jnp
 
     tot = np.zeros(4 * gamma + 2)

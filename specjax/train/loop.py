@@ -240,7 +240,12 @@ def record_eval(out: str, state: TrainState, step: int, result: dict) -> dict:
 def format_alphas(result: dict) -> str:
     """``"0.512 / 0.401 / ..."``: an :func:`evaluate` result's α per draft position (``"n/a"`` without one)."""
     a = result.get("alpha_by_position") or ([result["alpha"], result["alpha2"]] if "alpha" in result else [])
-    return " / ".join("–" if x is None else f"{x:.3f}" for x in a) if a else "n/a"
+    return " / ".join(format_figure(x) for x in a) if a else "n/a"
+
+
+def format_figure(x: float | None, digits: int = 3) -> str:
+    """A held-out figure for the log; ``"–"`` for no data (``None``: nothing was scored)."""
+    return "–" if x is None else f"{x:.{digits}f}"
 
 
 PROGRESS_EVERY_S = 60.0  # seconds between plain progress lines in the log

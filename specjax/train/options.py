@@ -97,8 +97,8 @@ def check_args(s, export_only: bool = False) -> None:
     for x in given:
         if not os.path.isdir(os.path.abspath(x)):
             raise DistillError(f"--data-dir {x}: no data set there (a run's DIR/data)")
-    if getattr(s, "init_from", None) and not os.path.isdir(os.path.expanduser(s.init_from)):
-        raise DistillError(f"--init-from {s.init_from}: no such drafter directory")
+    if getattr(s, "init_from", None):
+        _check_init_files(s.init_from)
     if s.prompts is None:
         raise DistillError("--prompts FILE is required (JSONL: Spec-Bench 'turns', 'prompt' or 'ids')")
     records = read_records(s.prompts)
@@ -183,6 +183,23 @@ def check_out_dir(out: str) -> None:
         check_writable(os.path.join(out, "run.json"))
     except ValueError as e:
         raise DistillError(str(e).replace(f"--out {os.path.join(out, 'run.json')}", f"--out {out}")) from None
+
+
+def _check_init_files(init_from: str) -> None:
+    """``--init-from``: a directory whose files are whole (:func:`specjax.api.check_drafter_files`:
+    its weights file there and complete, its JSON valid; headers only), before any data is made.
+
+    Raises:
+      DistillError: naming ``--init-from``, the file and the fix."""
+    from specjax.api import check_drafter_files
+
+    path = os.path.expanduser(init_from)
+    if not os.path.isdir(path):
+        raise DistillError(f"--init-from {init_from}: no such drafter directory")
+    try:
+        check_drafter_files(path)
+    except ValueError as e:
+        raise DistillError(f"--init-from {init_from}: {e}") from None
 
 
 def _check_init_features(init_from: str, feature_layers) -> None:

@@ -45,8 +45,6 @@ def read_records(path: str) -> list[dict]:
         else:
             raise ValueError(f"{path}:{lineno}: need 'ids', 'turns' or 'prompt'")
         out.append(rec)
-    if not out:
-        raise ValueError(f"{path}: no prompts in the file (it is empty)")
     return out
 
 
