@@ -138,6 +138,7 @@ def test_the_command_line_switches_it(monkeypatch, tmp_path, capsys):
     model_dir = save_model(m.replace(tokenizer=_word_tokenizer(m.config.vocab_size)), str(tmp_path / "tiny"))
     cache = tmp_path / "jaxcache"
     monkeypatch.setenv("SPECJAX_CACHE", str(cache))
+    monkeypatch.delenv("SPECJAX_NO_CACHE", raising=False)  # (other test modules set it for the process)
     import jax
 
     old = jax.config.jax_compilation_cache_dir

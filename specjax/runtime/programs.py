@@ -102,11 +102,15 @@ def _kernel_state(leaves) -> str:
 
 def program_key(which: str, prog, leaves, in_tree) -> str | None:
     """The cache key of a program (module docstring), or None when it cannot be made stably."""
-    import jaxlib
+    from importlib import metadata
 
+    try:
+        jaxlib_version = metadata.version("jaxlib")
+    except metadata.PackageNotFoundError:
+        jaxlib_version = "?"
     devices = jax.devices()
     parts = [
-        f"specjax-program-{FORMAT}", jax.__version__, getattr(jaxlib, "__version__", "?"),
+        f"specjax-program-{FORMAT}", jax.__version__, jaxlib_version,
         jax.default_backend(), f"{len(devices)}x{devices[0].device_kind}", source_digest(), _kernel_state(leaves),
         f"x64={jax.config.jax_enable_x64}", f"precision={jax.config.jax_default_matmul_precision}",
         which, repr(prog), str(in_tree),
