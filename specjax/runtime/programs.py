@@ -27,8 +27,8 @@ compilation cache (``SPECJAX_NO_CACHE=1`` turns both off; ``SPECJAX_NO_PROGRAM_C
 this); from Python, :func:`enable`. Entries live in ``<compilation cache>/specjax-programs/``
 (two files each, written atomically; at most :data:`MAX_ENTRIES`, oldest removed first); an
 unreadable or stale entry is rebuilt. The output tree is stored with :mod:`pickle` and read with
-an unpickler that only accepts classes of jax, jaxlib, flax, numpy and specjax (the directory
-is as trusted as the compilation cache, whose entries are native code).
+an unpickler that only accepts jax's PyTreeDef and specjax's own classes (the directory is as
+trusted as the compilation cache, whose entries are native code).
 """
 
 from __future__ import annotations
@@ -149,14 +149,19 @@ class ExportedProgram:
 
 
 class _Unpickler(pickle.Unpickler):
-    """Only the classes a pytree structure of specjax's programs is made of."""
+    """Only what a pickled pytree structure of specjax's programs names: jax's PyTreeDef and
+    its registry, and specjax's own classes (no functions, no dotted names)."""
 
-    _ALLOWED = ("jax", "jaxlib", "flax", "numpy", "specjax", "builtins", "collections", "ml_dtypes")
+    _JAX = {("jaxlib._jax.pytree", "PyTreeDef"), ("jax._src.tree_util", "default_registry")}
 
     def find_class(self, module, name):
-        if module.split(".")[0] not in self._ALLOWED:
-            raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a program entry")
-        return super().find_class(module, name)
+        if (module, name) in self._JAX:
+            return super().find_class(module, name)
+        if module.split(".")[0] == "specjax" and "." not in name:
+            obj = super().find_class(module, name)
+            if isinstance(obj, type):
+                return obj
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a program entry")
 
 
 def _write_atomic(path: str, data: bytes) -> None:
