@@ -108,17 +108,15 @@ def _float(arr, tensor):
     return np.asarray(llama.dequantize_int8(arr.codes, arr.scale, tensor.quant_axis))
 
 
-FixedKeys = llama.ShapesOnly  # (the name the loaders import)
-
-
 def abstract_model_of(cfg: ModelConfig, fmt: str):
     """:func:`specjax.models.llama.abstract_model` (the same graphdef and abstract state), built
     ~5× faster: under ``eval_shape`` every ``nnx.Rngs`` draw updates its counter variable, and
     flax 0.12's ``Variable.set_value`` then reads ``tracer.sharding``, whose error message walks
     the whole trace so far (quadratic: 1.3 of 1.9 s for SmolLM2-135M). Shapes do not depend on
-    the keys, so a fixed key does. Any failure falls back to ``llama.abstract_model``."""
+    the keys, so a fixed key does, and :class:`~specjax.models.params.ShapesOnly` also skips each
+    weight's initializer and quantizer. Any failure falls back to ``llama.abstract_model``."""
     try:
-        model = nnx.eval_shape(lambda: llama.Transformer(cfg, fmt=fmt, rngs=FixedKeys()))
+        model = nnx.eval_shape(lambda: llama.Transformer(cfg, fmt=fmt, rngs=llama.ShapesOnly()))
         return nnx.split(model)
     except Exception:  # a model whose construction needs more of nnx.Rngs
         return llama.abstract_model(cfg, fmt)

@@ -26,7 +26,7 @@ from flax import nnx
 from specjax.models.config import CheckpointError, ModelConfig, UnsupportedModelError
 from specjax.io import convcache
 from specjax.io.assemble import (  # noqa: F401  (re-exported: loading is the public module)
-    FixedKeys, abstract_model_of, param_path_name, state_of, assemble_params,
+    abstract_model_of, param_path_name, state_of, assemble_params,
 )
 from specjax.io.hf import (  # noqa: F401  (re-exported)
     CHECKPOINT_FORMATS, PICKLE_SUFFIXES, check_model_file, hf_tensor_path, looks_like_hub_id, read_hf_config, resolve_hub, safetensor_files,

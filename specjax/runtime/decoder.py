@@ -23,8 +23,8 @@ from specjax.models.llama import kv_cache_dtype
 from specjax.runtime.loop import (  # noqa: F401  (run_rounds/… re-exported for tests)
     RUN_ROUNDS_DONATE, DecodeState, Logprobs, Program, Stats, run_rounds, run_rounds_jit, tree_scratch,
 )
-from specjax.runtime.prefill import prefill, prefill_jit, prefill_program, size_for_gamma  # noqa: F401  (prefill: for sharding tests)
 from specjax.runtime import programs
+from specjax.runtime.prefill import prefill, prefill_jit, prefill_program, size_for_gamma  # noqa: F401  (prefill: for sharding tests)
 from specjax.runtime.progress import phase
 from specjax.runtime.results import GenerationResult, RowStats, host_result, row_stats  # noqa: F401  (re-exported)
 
