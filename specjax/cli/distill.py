@@ -13,7 +13,8 @@ from specjax.train.options import EAGLE_ONLY_DEFAULTS
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="target (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--out", required=True, help="run directory (refused if it exists, unless --resume)")
+    p.add_argument("--out", default=None, help="run directory (refused if it exists, unless --resume); required "
+                                                  "except with --export-ids")
     p.add_argument("--arch", default="eagle", metavar="KIND",
                    help="the drafter kind to train (specjax.drafters.registry; trainable: "
                         f"{', '.join(registry.trainable_kinds())}). eagle: an EAGLE-style feature drafter, written "
@@ -35,6 +36,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", default=None, nargs="+", metavar="DIR",
                    help="reuse the data set(s) of other runs (their DIR/data; several are merged, shared greedy "
                         "continuations kept once) instead of generating one")
+    p.add_argument("--data-ids", default=None, nargs="+", metavar="FILE",
+                   help="reuse stored token-id files (--export-ids; e.g. data/smollm2-135m-instruct/*.npz): the "
+                        "target's features and top-k are recomputed by teacher forcing (prefill passes, no "
+                        "decoding) into DIR/data_ids; with --data-dir or alone, nothing is generated anew")
+    p.add_argument("--export-ids", default=None, metavar="FILE",
+                   help="instead of training: write the token ids of the --data-dir data sets (prompts and the "
+                        "target's continuations, merged as for training) to FILE, compressed (uint16 for a "
+                        "vocabulary of <= 65,536), for --data-ids; no --out needed")
     p.add_argument("--onpolicy-after", type=int, default=EAGLE_ONLY_DEFAULTS["onpolicy_after"])
     p.add_argument("--gamma", type=int, default=EAGLE_ONLY_DEFAULTS["gamma"],
                    help="the draft depth γ (drafts per round) the drafter is trained for (a block drafter trains "
@@ -132,7 +141,33 @@ def trainer(arch: str):
     return getattr(importlib.import_module(module), name)
 
 
+def export_ids(args) -> int:
+    """``--export-ids FILE``: the token ids of the ``--data-dir`` data sets written to FILE."""
+    import shlex
+    import sys
+
+    from specjax.io.loading import load_model
+    from specjax.train.common import log
+    from specjax.train.token_ids import check_export_path, export_token_ids, part_sequences
+
+    if not args.data_dir:
+        raise DistillError("--export-ids FILE writes the token ids of data sets: give them with --data-dir DIR "
+                           "[DIR ...] (a run's DIR/data, DIR/data_self)")
+    check_export_path(args.export_ids)  # before the target is loaded
+    for d in args.data_dir:
+        part_sequences(d)
+    target = load_model(args.model or "default", dtype="float32")
+    meta = export_token_ids(args.export_ids, list(args.data_dir), target,
+                            note="specjax distill " + " ".join(shlex.quote(a) for a in sys.argv[2:]))
+    log(f"wrote {args.export_ids}: {meta['sequences']} sequences, {meta['tokens']} tokens")
+    return 0
+
+
 def cmd_distill(args) -> int:
+    if args.export_ids:
+        return export_ids(args)
+    if not args.out:
+        raise DistillError("--out DIR is required: the run directory (data, checkpoints, the drafter)")
     train = trainer(args.arch)
     if args.bench:
         if not (args.prompts and args.split):

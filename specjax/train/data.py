@@ -428,6 +428,14 @@ def collect_parts(parts_dir: str) -> tuple[list[dict], dict]:
     return seqs, {"hidden": RowSegments(hidden), **{k: np.concatenate(v) for k, v in arrs.items()}}
 
 
+def sequence_key(q: dict) -> tuple:
+    """What makes a continuation the same in two data sets: its prompt (question id, turn), its
+    source, and for a sampled one (``sample`` > 0) the sample index and seed; the greedy one of a
+    prompt is the same for every seed."""
+    k = q.get("sample", 0)
+    return q["question_id"], q.get("turn", 0), q.get("source"), k, q.get("seed", 0) if k else None
+
+
 def collect_data(dirs: list[str]) -> tuple[list[dict], dict]:
     """Several data sets (``collect_parts`` of each) as one. A continuation present in more
     than one set is kept once: the greedy one of a prompt (``sample`` 0, the same for every
@@ -446,8 +454,7 @@ def collect_data(dirs: list[str]) -> tuple[list[dict], dict]:
                                f"{width[1]}: data sets made with different --feature-layers cannot be merged")
         width = width or (d, da["hidden"].shape[1])
         for q in ds:
-            k = q.get("sample", 0)
-            key = (q["question_id"], q.get("turn", 0), q.get("source"), k, q.get("seed", 0) if k else None)
+            key = sequence_key(q)
             if key in seen:
                 continue
             seen.add(key)

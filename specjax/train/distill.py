@@ -188,12 +188,14 @@ def load_run(opened: tuple[str, argparse.Namespace], args) -> DistillRun:
 
 
 def make_data(r: DistillRun) -> tuple[list[dict], dict]:
-    """Generate (or reuse, ``--data-dir``) the target data set and the self-prompt data set;
-    returns them merged (:func:`specjax.train.data.collect_data`)."""
+    """Generate (or reuse: ``--data-dir``, or ``--data-ids`` teacher-forced) the target data set,
+    and the self-prompt and installed-text data sets; returns them merged
+    (:func:`specjax.train.data.collect_data`)."""
     s, out = r.s, r.out
     given = [s.data_dir] if isinstance(s.data_dir, str) else list(s.data_dir or [])
-    data_dirs = [os.path.abspath(x) for x in given] or [os.path.join(out, "data")]
-    if not given:
+    data_dirs = [os.path.abspath(x) for x in given] + replay_token_ids(r)
+    if not data_dirs:
+        data_dirs = [os.path.join(out, "data")]
         recs = [q for q in r.records if q["question_id"] in r.tr_ids or q["question_id"] in r.ev_ids]
         if s.data not in ("target", "both"):
             log("--data drafter: the first data set still comes from the target (the drafter starts untrained)")
@@ -213,6 +215,23 @@ def make_data(r: DistillRun) -> tuple[list[dict], dict]:
                             parts_dir=os.path.join(out, "data_text"), feature_layers=r.feature_layers, log=log)
         data_dirs = data_dirs + [os.path.join(out, "data_text")]
     return collect_data(data_dirs)
+
+
+def replay_token_ids(r: DistillRun) -> list[str]:
+    """The data directories made from the run's ``--data-ids`` files: each file's sequences
+    teacher-forced into ``OUT/data_ids/<i>-<name>`` (:func:`specjax.train.token_ids.replay_data`;
+    resumable part by part). Returns the directories, in the order given."""
+    from specjax.train.token_ids import read_token_ids, replay_data
+
+    s, dirs = r.s, []
+    for i, path in enumerate(getattr(s, "data_ids", None) or []):
+        seqs, meta = read_token_ids(path, r.target)
+        d = os.path.join(r.out, "data_ids", f"{i}-{os.path.splitext(os.path.basename(path))[0]}")
+        log(f"--data-ids {path}: {meta['sequences']} sequences, {meta['tokens']} tokens; teacher forcing into {d}")
+        replay_data(r.target, seqs, batch=s.gen_batch, topk=s.topk, parts_dir=d, feature_layers=r.feature_layers,
+                    log=log)
+        dirs.append(d)
+    return dirs
 
 
 def split_indices(seqs: list[dict], ev_ids: set) -> tuple[list[int], list[int]]:

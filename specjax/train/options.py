@@ -13,7 +13,7 @@ RUN_KEYS = ("model", "prompts", "split", "steps", "seed", "batch_size", "lr", "e
             "intermediate", "window", "max_new_tokens", "gen_batch", "topk", "ce_weight", "unroll_weight",
             "warmup", "checkpoint_every", "chat", "weight_decay", "max_prompt_tokens", "onpolicy_after", "gamma",
             "data_dir", "ce", "samples_per_prompt", "data_temperature", "copy_ngram", "init_from", "self_prompts",
-            "train_only", "feature_layers", "ttt_steps", "text_corpus", "text_tokens", "text_window")
+            "train_only", "feature_layers", "ttt_steps", "text_corpus", "text_tokens", "text_window", "data_ids")
 # what a block-drafter run (--arch block, :mod:`specjax.train.block_distill`) records besides RUN_KEYS
 BLOCK_KEYS = ("arch", "block_size", "layers", "anchors", "position_decay")
 # the options only the EAGLE trainer reads, with their defaults (the CLI's defaults: specjax.cli.distill);
@@ -97,6 +97,9 @@ def check_args(s, export_only: bool = False) -> None:
     for x in given:
         if not os.path.isdir(os.path.abspath(x)):
             raise DistillError(f"--data-dir {x}: no data set there (a run's DIR/data)")
+    for x in getattr(s, "data_ids", None) or []:
+        if not os.path.isfile(x):
+            raise DistillError(f"--data-ids {x}: no such file (a token-id file: specjax distill --export-ids)")
     if getattr(s, "init_from", None):
         _check_init_files(s.init_from)
     if s.prompts is None:
