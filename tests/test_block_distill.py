@@ -266,3 +266,35 @@ def test_no_held_out_data_is_said_not_a_traceback(tmp_path, capsys, monkeypatch)
     assert [h["step"] for h in hist] == [0, 1, 2]
     assert all(h["loss"] is None and h["accepted_per_round"] is None and h["agreement_by_slot"] == [None] * 4
                and h["alpha_by_position"] == [None] * 4 and h["positions"] == 0 for h in hist), hist
+
+
+def test_anchor_feature_warm_start_begins_where_the_drafter_was(trained, setup):
+    """``--init-from`` a drafter trained without the anchor feature, ``--anchor-feature``: step 0's
+    held-out loss and agreement are the init drafter's own (its ``anchor_proj`` starts at zero);
+    training then moves the projection, and the exported drafter reads it."""
+    from safetensors.numpy import load_file
+
+    from specjax.train import block_distill
+
+    out_init, res_init = trained
+    out = setup / "anchor"
+    block_distill.run(_args(setup, out, "--data-dir", _data(setup), "--steps", "10", "--eval-every", "10",
+                            "--checkpoint-every", "10", "--init-from", str(out_init / "drafter"),
+                            "--anchor-feature"))
+    hist = json.loads((out / "history.json").read_text())
+    assert hist[0]["step"] == 0
+    np.testing.assert_allclose(hist[0]["loss"], res_init["final"]["loss"], rtol=1e-5)
+    assert hist[0]["agreement_by_slot"] == res_init["final"]["agreement_by_slot"]
+    meta = json.loads((out / "drafter" / "block_drafter.json").read_text())
+    assert meta["config"]["anchor_feature"] is True
+    proj = load_file(str(out / "drafter" / "model.safetensors"))["anchor_proj"]
+    assert np.abs(proj).max() > 0  # trained away from zero
+
+
+def test_anchor_feature_without_block_arch_is_one_line(tmp_path, capsys):
+    from specjax.cli import main
+
+    rc = main(["distill", "--out", str(tmp_path / "x"), "--anchor-feature"])
+    err = capsys.readouterr().err
+    assert rc != 0 and "--anchor-feature is a block-drafter option" in err and "Traceback" not in err
+    assert not (tmp_path / "x").exists()

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 
@@ -365,3 +366,97 @@ def test_gamma_auto_scores_every_block_slot():
     assert gamma == max(rep["table"], key=lambda r: (r["speedup"], -r["gamma"]))["gamma"]
     with pytest.raises(ValueError, match="batch"):
         recommend(target, d, prompts, settings, batch=0)
+
+
+def _anchor_drafter(proj_scale: float):
+    """The :func:`_setup` drafter with ``anchor_feature`` and ``anchor_proj`` = ``proj_scale`` × a
+    random matrix (0: the zero projection a warm start begins with)."""
+    target, d = _setup()
+    cfg = dataclasses.replace(d.config, anchor_feature=True)
+    dim = cfg.layer.hidden_size
+    proj = proj_scale * jax.random.normal(jax.random.key(7), (dim, dim), jnp.float32) / np.sqrt(dim)
+    tp = dict(d.params["train"], anchor_proj=proj)
+    return target, block.make_drafter(cfg, tp, target, np.arange(V, dtype=np.int32))
+
+
+@pytest.mark.parametrize("anchor_feature", [False, True])
+def test_decode_rounds_follow_the_training_call(anchor_feature):
+    """The decode loop's bookkeeping, round after round (the DraftContext contract: ``target_hidden``
+    holds the last target call's features, index n = position L − 2): the prefill, a fresh round, a
+    round after 2 accepted drafts, one after a rejection — each round's logits == the training call's
+    at the same anchor (≤ 1e-4). With ``anchor_feature`` (a random, non-zero ``anchor_proj``) this
+    also checks that the anchor reads the context vector of position L − 2 in every round kind."""
+    from specjax.drafters.eagle_net import full_logits
+
+    target, d = _anchor_drafter(4.0) if anchor_feature else _setup()
+    cfg, params = d.config, d.params
+    seq = jnp.asarray([[2, 5, 1, 3, 4, 0, 2, 2, 5, 1, 3, 3]], jnp.int32)
+    feats, _ = _features_and_logits(target.graphdef, target.config, target.params, seq)
+    p_len, g = 4, GAMMA
+    f_train = block_net.train_forward(cfg, params, feats, seq, jnp.asarray([[p_len - 1, 6, 7]], jnp.int32), g)
+    want = np.asarray(full_logits(params, f_train, V))[0]  # [3 anchors, γ, V]
+    sp = _sp()
+    buf = jnp.zeros((1, 16), jnp.int32).at[:, :12].set(seq)  # committed prefix + stale slots
+    state = d.init_state(params, DraftContext(buf, jnp.asarray([p_len]), sp, feats[:, :p_len],
+                                              jnp.zeros((1,), jnp.int32)), 16)
+    rounds = [(p_len, jnp.zeros((1, g + 1, feats.shape[-1])), 0),     # fresh: no target call yet
+              (7, feats[:, p_len - 1: p_len + g], 2),                   # inputs at P-1.., 2 drafts accepted
+              (8, feats[:, 6: 7 + g], 0)]                               # inputs at 6.., the first rejected
+    for j, (length, hidden, n) in enumerate(rounds):
+        ctx = DraftContext(buf, jnp.asarray([length]), sp, hidden.astype(jnp.float32), jnp.asarray([n]))
+        logits, state = d._block(params, state, ctx, g)
+        np.testing.assert_allclose(np.asarray(logits)[0], want[j], atol=1e-4, rtol=1e-4, err_msg=f"round {j}")
+    if anchor_feature:  # the projection matters: without it the logits differ
+        _, plain = _setup()
+        f0 = block_net.train_forward(plain.config, plain.params, feats, seq, jnp.asarray([[6]], jnp.int32), g)
+        assert np.abs(np.asarray(full_logits(plain.params, f0, V))[0, 0] - want[1]).max() > 1e-2
+
+
+def test_zero_anchor_projection_is_the_drafter_without_it():
+    """A warm start (``--init-from`` + ``--anchor-feature``) begins with ``anchor_proj`` = 0: the
+    same drafter, bit for bit in the training call."""
+    target, plain = _setup()
+    _, zero = _anchor_drafter(0.0)
+    seq = jnp.asarray([[2, 5, 1, 3, 4, 0, 2, 2, 5, 1, 3, 3]], jnp.int32)
+    feats, _ = _features_and_logits(target.graphdef, target.config, target.params, seq)
+    anchors = jnp.asarray([[1, 4, 7]], jnp.int32)
+    a = block_net.train_forward(plain.config, plain.params, feats, seq, anchors, GAMMA)
+    b = block_net.train_forward(zero.config, zero.params, feats, seq, anchors, GAMMA)
+    assert np.array_equal(np.asarray(a), np.asarray(b))
+    assert block_net.with_anchor_proj(zero.config, dict(plain.params["train"]))["anchor_proj"].shape == (
+        plain.config.layer.hidden_size,) * 2
+
+
+@pytest.mark.parametrize("fmt", ["float32", "int8"])
+def test_anchor_feature_drafter_greedy_equals_autoregressive_and_round_trips(fmt, tmp_path):
+    """An ``anchor_feature`` block drafter: greedy speculative == autoregressive (chain γ 3 and a tree,
+    batch 3); saved and loaded it is the same drafter; a file without its ``anchor_proj`` is one line."""
+    import json as _json
+
+    from specjax.models.config import CheckpointError
+
+    target = tiny_model(seed=4, scale=3.0, vocab_size=8)
+    cfg = block_net.BlockConfig.for_target(target.config, num_layers=2, block_size=4, sub_vocab=8,
+                                           intermediate_size=32, feature_layers=(0, 1), anchor_feature=True)
+    tp = block_net.init_params(cfg, 1)
+    tp["anchor_proj"] = 0.3 * jax.random.normal(jax.random.key(2), tp["anchor_proj"].shape)
+    d = block.make_drafter(cfg, tp, target, np.arange(8, dtype=np.int32), dtype=fmt)
+    prompts = [[2, 3, 4, 5], [6, 7], [1, 2, 3, 4, 5, 6, 7]]
+    ar = Decoder(target).generate(prompts, max_new_tokens=24, eos_ids=[]).tokens
+    for kw in (dict(gamma=3), dict(tree_nodes=6, tree_depth=3, tree_topk=2)):
+        assert Decoder(target, d, **kw).generate(prompts, max_new_tokens=24, eos_ids=[]).tokens == ar, kw
+    if fmt != "float32":
+        return
+    path = tmp_path / "d"
+    block.save_drafter(str(path), cfg, tp, np.arange(8, dtype=np.int32), target)
+    back = block.load_drafter(str(path), target)
+    assert back.config == cfg and np.array_equal(np.asarray(back.params["train"]["anchor_proj"]),
+                                                 np.asarray(tp["anchor_proj"]))
+    meta = _json.loads((path / block.MARKER).read_text())
+    plain = block.make_drafter(dataclasses.replace(cfg, anchor_feature=False), tp, target, np.arange(8, dtype=np.int32))
+    block.save_drafter(str(path), plain.config, {k: v for k, v in tp.items() if k != "anchor_proj"},
+                       np.arange(8, dtype=np.int32), target)
+    (path / block.MARKER).write_text(_json.dumps(meta))  # says anchor_feature, the weights lack anchor_proj
+    with pytest.raises(CheckpointError) as e:
+        block.load_drafter(str(path), target)
+    assert "\n" not in str(e.value) and "anchor_proj" in str(e.value)

@@ -128,6 +128,10 @@ def _add_block_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--position-decay", type=float, default=None, metavar="TAU",
                    help="loss weight of block slot i: exp(-(i-1)/TAU), normalized (later drafts count less, as "
                         "DFlash); default: --block-size / 2")
+    g.add_argument("--anchor-feature", action="store_true",
+                   help="the anchor's input also reads the target's features at the position before it (a "
+                        "trained projection, zero at the start: an --init-from drafter without it starts "
+                        "unchanged), as an EAGLE-3 drafter's first draft does; off: the published DFlash layout")
 
 
 def trainer(arch: str):
@@ -168,6 +172,8 @@ def cmd_distill(args) -> int:
         return export_ids(args)
     if not args.out:
         raise DistillError("--out DIR is required: the run directory (data, checkpoints, the drafter)")
+    if getattr(args, "anchor_feature", False) and args.arch != "block":
+        raise DistillError("--anchor-feature is a block-drafter option: add --arch block (or drop it)")
     train = trainer(args.arch)
     if args.bench:
         if not (args.prompts and args.split):

@@ -13,7 +13,9 @@ last_accepted, L0 = L − n − 1. Each round:
    drafter's distribution of the token at position L − 1 + i (the i-th draft).
 
 The prefill writes the prompt's context (positions 0 .. P − 1); the first round writes nothing
-(there is no target call yet: ``fresh``).
+(there is no target call yet: ``fresh``). With ``anchor_feature`` the state also keeps ``prev``, the
+context vector at position L − 2 that the anchor's input reads (the prefill's at P − 2; after a
+target call, that of ``target_hidden[:, n]``).
 
 **Exactness at T > 0** (a chain). The drafts are x_i ~ q_i, each with its own PRNG key
 (``keys[:, i]``: no noise shared across block positions), and ``Proposal.probs[:, i]`` is exactly
@@ -103,7 +105,13 @@ class BlockDrafter(Drafter):
         cache = block_net.new_cache(self.config, b, max_len)
         cache = block_net.write_context(self.config, params["train"], cache, context.target_hidden,
                                         jnp.zeros((b,), jnp.int32))
-        return {"cache": cache, "fresh": jnp.ones((b,), bool)}
+        state = {"cache": cache, "fresh": jnp.ones((b,), bool)}
+        if self.config.anchor_feature:  # c at P − 2 (zeros for a one-token prompt: no position before)
+            idx = jnp.maximum(context.lengths - 2, 0)
+            h = jnp.take_along_axis(context.target_hidden, idx[:, None, None], axis=1)[:, 0]
+            prev = block_net.context(self.config, params["train"], h)
+            state["prev"] = jnp.where((context.lengths >= 2)[:, None], prev, 0.0)
+        return state
 
     def _block(self, params, state, context: DraftContext, gamma: int):
         """Steps 1 and 2 of a round: ``(logits [B, γ, V] over the target vocabulary, new state)``."""
@@ -115,9 +123,15 @@ class BlockDrafter(Drafter):
         start = jnp.where(fresh, lengths - 1, lengths - n - 2)
         cache = block_net.write_context(self.config, params["train"], state["cache"], context.target_hidden, start)
         anchor = jnp.take_along_axis(context.tokens, (lengths - 1)[:, None], axis=1)[:, 0]
-        f = block_net.block_forward(self.config, params, cache, anchor, lengths - 1, gamma)  # [B, γ, D]
+        new = {"cache": cache, "fresh": jnp.zeros_like(fresh)}
+        prev = None
+        if self.config.anchor_feature:  # c at L − 2: target_hidden[:, n] after a target call, else the prefill's
+            h = jnp.take_along_axis(context.target_hidden, n[:, None, None], axis=1)[:, 0]
+            prev = jnp.where(fresh[:, None], state["prev"], block_net.context(self.config, params["train"], h))
+            new["prev"] = prev
+        f = block_net.block_forward(self.config, params, cache, anchor, lengths - 1, gamma, prev)  # [B, γ, D]
         logits = full_logits(params, f, self._vocab)
-        return logits, {"cache": cache, "fresh": jnp.zeros_like(fresh)}
+        return logits, new
 
     @property
     def _vocab(self) -> int:
@@ -148,9 +162,10 @@ class BlockDrafter(Drafter):
 
 # --------------------------------------------------------------------------- files
 def flat_trainable(tp: dict, cfg: BlockConfig) -> dict[str, np.ndarray]:
-    """``{file name: array}``: ``fuse``, ``hidden_norm``, ``mask_embed``, ``out_norm`` and per layer
-    ``layers.{i}.{part}`` (a fused weight as its checkpoint parts, ``wq``, ``wk``, …)."""
-    out = {k: tp[k] for k in ("fuse", "hidden_norm", "mask_embed", "out_norm")}
+    """``{file name: array}``: ``fuse``, ``hidden_norm``, ``mask_embed``, ``out_norm``, ``anchor_proj``
+    (``anchor_feature`` drafters) and per layer ``layers.{i}.{part}`` (a fused weight as its
+    checkpoint parts, ``wq``, ``wk``, …)."""
+    out = {k: tp[k] for k in ("fuse", "hidden_norm", "mask_embed", "out_norm", "anchor_proj") if k in tp}
     for i, layer in enumerate(tp["layers"]):
         for spec in block_weights():
             for t, a in weights.split(spec, cfg.layer, np.asarray(layer[spec.name])):
@@ -170,6 +185,8 @@ def unflat_trainable(flat: dict, cfg: BlockConfig) -> dict:
         layers.append(layer)
     tp = {k: f32(flat[k]) for k in ("fuse", "hidden_norm", "mask_embed", "out_norm")}
     tp["layers"] = layers
+    if cfg.anchor_feature:
+        tp["anchor_proj"] = f32(flat["anchor_proj"])  # a KeyError: the file lacks it (a CheckpointError)
     return tp
 
 

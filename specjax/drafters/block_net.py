@@ -12,7 +12,8 @@ Architecture (D = the target's width, γ = the block size of a round):
     K/V_p = per drafter layer ℓ: the K/V part of w_qkv^ℓ · c_p, RoPE at p   (the context, cached)
     h^0   = [e(x_a) ; m ; … ; m]                      the anchor (the last committed token, at
                                                       position a) and γ mask slots (``mask_embed``)
-                                                      at positions a .. a + γ
+                                                      at positions a .. a + γ; with ``anchor_feature``
+                                                      the anchor's input is e(x_a) + A · c_{a−1}
     h^ℓ   = Llama block over h^{ℓ−1} whose attention sees the context K/V at positions < a and
             the whole block (bidirectional: no causal mask inside the block)
     f_i   = RMSNorm(h^L_i);  q_i(x) ∝ exp(f_i · E[x]) for x in the sub-vocabulary S (0 elsewhere)
@@ -22,6 +23,13 @@ q_1..q_γ. The layout follows the published DFlash heads (``fc`` over concatenat
 a ``hidden_norm``, per-layer K/V of the context from the projected features, the target's
 embedding and head frozen), except that the mask slot is a trained vector, not a token's
 embedding, and there is no per-head q/k norm (a Llama target has none).
+
+``anchor_feature`` (an option, off in the published layout): the anchor's input also carries the
+context vector of the position before it, through a trained ``anchor_proj`` A [D, D] (zero at
+initialization, so a drafter trained without it starts as it was). An EAGLE-3 drafter's first draft
+reads that feature directly (``fc`` over [e(x_a) ; features_{a−1}]); the block's slot 1 otherwise
+has to fetch it through attention over the whole context. It does not touch exactness: q_i is
+still one function of the committed context, sampled from and put in the ratio as it is.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ from specjax.drafters.eagle_params import LayerDims, block_weights, resolve_feat
 from specjax.models import llama
 from specjax.models.config import ModelConfig
 
-TRAINABLE = ("fuse", "hidden_norm", "mask_embed", "layers", "out_norm")
+TRAINABLE = ("fuse", "hidden_norm", "mask_embed", "layers", "out_norm", "anchor_proj")  # the last: anchor_feature only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,12 +57,14 @@ class BlockConfig(LayerDims):
     sub_vocab: |S|, rows of the head.
     feature_layers: the target blocks whose fused outputs it reads
       (:func:`specjax.models.llama.target_features`), projected by ``fuse [len·D, D]``.
+    anchor_feature: the anchor's input adds ``anchor_proj · c_{a−1}`` (module docstring).
     """
 
     layer: ModelConfig
     block_size: int
     sub_vocab: int
     feature_layers: tuple[int, ...]
+    anchor_feature: bool = False
 
     @property
     def num_layers(self) -> int:
@@ -69,13 +79,14 @@ class BlockConfig(LayerDims):
         return {"kind": "block", "num_layers": l.num_layers, "hidden_size": l.hidden_size,
                 "intermediate_size": l.intermediate_size, "num_heads": l.num_heads, "num_kv_heads": l.num_kv_heads,
                 "head_dim": l.head_dim, "vocab_size": l.vocab_size, "block_size": self.block_size,
-                "sub_vocab": self.sub_vocab, "feature_layers": list(self.feature_layers)}
+                "sub_vocab": self.sub_vocab, "feature_layers": list(self.feature_layers),
+                "anchor_feature": self.anchor_feature}
 
     @classmethod
     def for_target(cls, target_cfg: ModelConfig, num_layers: int = 2, block_size: int = 8, sub_vocab: int = 8192,
                    intermediate_size: int | None = None, num_heads: int | None = None,
                    num_kv_heads: int | None = None, feature_layers="eagle3",
-                   head_dim: int | None = None) -> "BlockConfig":
+                   head_dim: int | None = None, anchor_feature: bool = False) -> "BlockConfig":
         """A block drafter config matching ``target_cfg``'s width, heads and RoPE.
 
         Raises:
@@ -97,7 +108,7 @@ class BlockConfig(LayerDims):
             head_dim=int(head_dim) if head_dim else (target_cfg.head_dim if num_heads is None
                                                      else target_cfg.hidden_size // int(num_heads)))
         return cls(layer=layer, block_size=int(block_size), sub_vocab=int(min(sub_vocab, target_cfg.vocab_size)),
-                   feature_layers=fl)
+                   feature_layers=fl, anchor_feature=bool(anchor_feature))
 
     @classmethod
     def from_json(cls, c: dict, target_cfg: ModelConfig) -> "BlockConfig":
@@ -107,13 +118,15 @@ class BlockConfig(LayerDims):
             raise ValueError(f"the block drafter's width/vocabulary ({c.get('hidden_size')}/{c.get('vocab_size')}) "
                              f"are not the target's ({target_cfg.hidden_size}/{target_cfg.vocab_size})")
         return cls.for_target(target_cfg, c["num_layers"], c["block_size"], c["sub_vocab"], c["intermediate_size"],
-                              c["num_heads"], c["num_kv_heads"], tuple(c["feature_layers"]), c.get("head_dim"))
+                              c["num_heads"], c["num_kv_heads"], tuple(c["feature_layers"]), c.get("head_dim"),
+                              bool(c.get("anchor_feature", False)))
 
 
 def init_params(cfg: BlockConfig, seed: int = 0, target_final_norm=None) -> dict:
     """Random trainable parameters: the layers from the weight table (N(0, 0.02), norms 1),
     ``fuse`` N(0, 1/(len·D)) (unit-RMS inputs), ``mask_embed`` N(0, 0.02), the output norm the
-    target's final norm when given (so f lives where the target's h does)."""
+    target's final norm when given (so f lives where the target's h does); with
+    ``anchor_feature``, ``anchor_proj`` zeros [D, D]."""
     l = cfg.layer
     d = l.hidden_size
     specs = block_weights()
@@ -124,10 +137,20 @@ def init_params(cfg: BlockConfig, seed: int = 0, target_final_norm=None) -> dict
         layers.append({s.name: llama.init_weight(s, l, lambda: next(ks)) for s in specs})
     fk, mk = jax.random.split(key)
     out_norm = jnp.ones((d,), jnp.float32) if target_final_norm is None else jnp.asarray(target_final_norm, jnp.float32)
-    return {"fuse": jax.random.normal(fk, (cfg.feature_size, d), jnp.float32) / np.sqrt(cfg.feature_size),
-            "hidden_norm": jnp.ones((d,), jnp.float32),
-            "mask_embed": 0.02 * jax.random.normal(mk, (d,), jnp.float32),
-            "layers": layers, "out_norm": out_norm}
+    tp = {"fuse": jax.random.normal(fk, (cfg.feature_size, d), jnp.float32) / np.sqrt(cfg.feature_size),
+          "hidden_norm": jnp.ones((d,), jnp.float32),
+          "mask_embed": 0.02 * jax.random.normal(mk, (d,), jnp.float32),
+          "layers": layers, "out_norm": out_norm}
+    return with_anchor_proj(cfg, tp)
+
+
+def with_anchor_proj(cfg: BlockConfig, tp: dict) -> dict:
+    """``tp`` with a zero ``anchor_proj [D, D]`` added when ``cfg.anchor_feature`` asks for one and
+    ``tp`` has none (a warm start from a drafter trained without it: the same function at first)."""
+    if not cfg.anchor_feature or "anchor_proj" in tp:
+        return tp
+    d = cfg.layer.hidden_size
+    return dict(tp, anchor_proj=jnp.zeros((d, d), jnp.float32))
 
 
 def new_cache(cfg: BlockConfig, batch: int, max_len: int, dtype=jnp.float32) -> llama.KVCache:
@@ -145,12 +168,12 @@ def context(cfg: BlockConfig, tp: dict, feats) -> jax.Array:
     return llama.rms_norm(c, tp["hidden_norm"], cfg.layer.rms_norm_eps)
 
 
-def context_kv(cfg: BlockConfig, tp: dict, feats, positions) -> list[tuple[jax.Array, jax.Array]]:
+def context_kv(cfg: BlockConfig, tp: dict, feats, positions, c=None) -> list[tuple[jax.Array, jax.Array]]:
     """Per drafter layer the context ``(K, V)`` ``[B, KV, T, hd]`` (RoPE at ``positions [B, T]``) of the
-    target's fused features ``feats [B, T, len·D]``."""
+    target's fused features ``feats [B, T, len·D]`` (``c``: their :func:`context` if already made)."""
     l = cfg.layer
     g = l.num_heads // l.num_kv_heads
-    c = context(cfg, tp, feats)
+    c = context(cfg, tp, feats) if c is None else c
     inv = jnp.asarray(l.rope_inv_freq())
     out = []
     for p in tp["layers"]:
@@ -202,21 +225,28 @@ def _block_layer(cfg: BlockConfig, p: dict, h, positions, ctx_scores, ctx_values
     return h + _lin(p, jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1], "w_down")
 
 
-def block_input(tp: dict, embed, anchor, gamma: int) -> jax.Array:
-    """``[e(anchor) ; m × γ]`` ``[B, γ + 1, D]`` float32: the anchor token's embedding, then γ mask slots."""
-    e = jnp.take(embed, anchor, axis=0).astype(jnp.float32)[:, None]
+def block_input(tp: dict, embed, anchor, gamma: int, prev=None) -> jax.Array:
+    """``[e(anchor) ; m × γ]`` ``[B, γ + 1, D]`` float32: the anchor token's embedding, then γ mask slots.
+    ``prev [B, D]``: the context vector c_{a−1} of the position before the anchor, added to the
+    anchor's input through ``anchor_proj`` (``anchor_feature`` drafters; None otherwise)."""
+    e = jnp.take(embed, anchor, axis=0).astype(jnp.float32)
+    if prev is not None:
+        e = e + llama.matmul(prev.astype(jnp.float32), tp["anchor_proj"], tp.get("anchor_proj_scale"))
+    e = e[:, None]
     m = jnp.broadcast_to(tp["mask_embed"].astype(jnp.float32), (anchor.shape[0], gamma, e.shape[-1]))
     return jnp.concatenate([e, m], axis=1)
 
 
-def block_forward(cfg: BlockConfig, params: dict, cache: llama.KVCache, anchor, anchor_pos, gamma: int) -> jax.Array:
+def block_forward(cfg: BlockConfig, params: dict, cache: llama.KVCache, anchor, anchor_pos, gamma: int,
+                  prev=None) -> jax.Array:
     """The decode loop's one drafter call: the block ``[anchor, mask × γ]`` at positions
-    ``anchor_pos [B] + 0..γ`` over the context slots ``< anchor_pos`` of ``cache``.
+    ``anchor_pos [B] + 0..γ`` over the context slots ``< anchor_pos`` of ``cache``; ``prev [B, D]``
+    the context vector at ``anchor_pos − 1`` (read only with ``cfg.anchor_feature``).
 
     Returns ``f [B, γ, D]`` float32, the features of block slots 1..γ (slot i predicts the token
     at ``anchor_pos + i``)."""
     tp, fz = params["train"], params["frozen"]
-    h = block_input(tp, fz["embed"], anchor, gamma)
+    h = block_input(tp, fz["embed"], anchor, gamma, prev if cfg.anchor_feature else None)
     b, t = h.shape[:2]
     pos = anchor_pos[:, None] + jnp.arange(t, dtype=jnp.int32)
     s = cache.max_len
@@ -244,9 +274,13 @@ def train_forward(cfg: BlockConfig, params: dict, feats, tokens, anchors, gamma:
     b, w = tokens.shape
     a_n = anchors.shape[1]
     t = gamma + 1
-    kvs = context_kv(cfg, tp, feats, jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w)))
+    c = context(cfg, tp, feats)  # [B, W, D]
+    kvs = context_kv(cfg, tp, feats, jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w)), c)
     anchor_tok = jnp.take_along_axis(tokens, anchors, axis=1)  # [B, A]
-    h = block_input(tp, fz["embed"], anchor_tok.reshape(-1), gamma).reshape(b, a_n, t, -1)
+    prev = None
+    if cfg.anchor_feature:  # c_{a−1} [B·A, D]
+        prev = jnp.take_along_axis(c, (anchors - 1)[:, :, None], axis=1).reshape(b * a_n, -1)
+    h = block_input(tp, fz["embed"], anchor_tok.reshape(-1), gamma, prev).reshape(b, a_n, t, -1)
     h = h.reshape(b * a_n, t, -1)
     pos = (anchors.reshape(-1)[:, None] + jnp.arange(t, dtype=jnp.int32))  # [B·A, T]
     visible = (jnp.arange(w)[None, :] < anchors.reshape(-1)[:, None])[:, None, None, None, :]  # [B·A, 1, 1, 1, W]
@@ -267,10 +301,13 @@ def train_forward(cfg: BlockConfig, params: dict, feats, tokens, anchors, gamma:
 def quantize_params(params: dict) -> dict:
     """The ``int8`` format of a block drafter's ``{"train", "frozen"}`` parameters: ``fuse``, the
     layers' matrices and the sub-vocabulary head become 8-bit block codes with a float32
-    ``<name>_scale`` (:func:`specjax.models.llama.quantize_int8`); norms, ``mask_embed`` and the
-    embedding stay float32. q stays exactly what is sampled (exactness does not depend on it)."""
+    ``<name>_scale`` (:func:`specjax.models.llama.quantize_int8`), ``anchor_proj`` too when there is
+    one; norms, ``mask_embed`` and the embedding stay float32. q stays exactly what is sampled
+    (exactness does not depend on it)."""
     tp = dict(params["train"])
     tp["fuse"], tp["fuse_scale"] = llama.quantize_int8(tp["fuse"], 0)
+    if "anchor_proj" in tp:
+        tp["anchor_proj"], tp["anchor_proj_scale"] = llama.quantize_int8(tp["anchor_proj"], 0)
     layers = []
     for layer in tp["layers"]:
         layer = dict(layer)

@@ -45,7 +45,7 @@ from specjax.train.options import BLOCK_KEYS, RUN_KEYS
 
 __all__ = ["run"]
 
-DEFAULTS = {"block_size": 8, "layers": 2, "anchors": 16}  # those of the distill parser (a bare Namespace gets them)
+DEFAULTS = {"block_size": 8, "layers": 2, "anchors": 16, "anchor_feature": False}  # those of the distill parser (a bare Namespace gets them)
 
 
 def run(args) -> dict:
@@ -129,9 +129,11 @@ def _init_drafter(s, target, sub_ids, init):
     from specjax.drafters.eagle_params import frozen_params
 
     cfg = block_net.BlockConfig.for_target(target.config, s.layers, s.block_size, len(sub_ids), s.intermediate,
-                                           feature_layers=s.feature_layers)
-    if init is not None:  # its layer shapes (heads included) as they are; only the block size trained changes
-        cfg = dataclasses.replace(init.config, block_size=s.block_size, feature_layers=cfg.feature_layers)
+                                           feature_layers=s.feature_layers, anchor_feature=bool(s.anchor_feature))
+    if init is not None:  # its layer shapes (heads included) as they are; the block size trained and an added
+        # anchor feature (a zero anchor_proj: the same drafter at step 0) may change
+        cfg = dataclasses.replace(init.config, block_size=s.block_size, feature_layers=cfg.feature_layers,
+                                  anchor_feature=bool(s.anchor_feature) or init.config.anchor_feature)
     frozen = frozen_params(target, sub_ids)
     if init is None:
         return cfg, frozen, block_net.init_params(cfg, s.seed, target.params["final_norm"][...])
@@ -140,7 +142,7 @@ def _init_drafter(s, target, sub_ids, init):
                            f"{','.join(map(str, init.config.feature_layers))}; --feature-layers {s.feature_layers} "
                            f"gives {','.join(map(str, cfg.feature_layers))}: pass --feature-layers "
                            f"{','.join(map(str, init.config.feature_layers))}")
-    return cfg, frozen, init.params["train"]
+    return cfg, frozen, block_net.with_anchor_proj(cfg, init.params["train"])
 
 
 def _train(r: DistillRun, args, ds, split_idx, sub_ids, sub_pos, init):
