@@ -120,3 +120,22 @@ def test_a_large_data_set_is_not_loaded_into_memory(tmp_path):
     grew, rows, _ = out.stdout.split()
     assert int(rows) == 4 * 2 * seq_len
     assert int(grew) < 160e6, f"anonymous memory grew by {int(grew) / 1e6:.0f} MB for {total / 1e6:.0f} MB of features"
+
+
+def test_topk_stats_are_the_softmax_top_k():
+    """The stored targets: top-k probabilities of softmax(logits) (temperature 1), their ids and the
+    argmax — against a float64 softmax, also for logits far from 0 (the max is subtracted)."""
+    import jax.numpy as jnp
+
+    from specjax.train.data import topk_stats
+
+    rng = np.random.default_rng(0)
+    for scale, shift in ((1.0, 0.0), (30.0, 0.0), (3.0, 500.0), (3.0, -500.0)):
+        x = (rng.standard_normal((3, 5, 300)) * scale + shift).astype(np.float32)
+        tp, ti, am = (np.asarray(a) for a in topk_stats(jnp.asarray(x), 7))
+        x64 = x.astype(np.float64)
+        p = np.exp(x64 - x64.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        want = np.argsort(-p, axis=-1, kind="stable")[..., :7]
+        assert np.array_equal(ti, want) and np.array_equal(am, x.argmax(-1))
+        np.testing.assert_allclose(tp, np.take_along_axis(p, want, -1), rtol=2e-5, atol=1e-7)
