@@ -460,3 +460,27 @@ def test_anchor_feature_drafter_greedy_equals_autoregressive_and_round_trips(fmt
     with pytest.raises(CheckpointError) as e:
         block.load_drafter(str(path), target)
     assert "\n" not in str(e.value) and "anchor_proj" in str(e.value)
+
+
+def test_anchor_feature_reads_position_l_minus_2_per_row():
+    """``prev`` (the anchor's context vector) is c at L − 2 for each row: after a prefill of rows with
+    different prompt lengths (a padded bucket), in the first round, and in a first round that comes
+    after plain (drafter-idle) rounds, where ``target_hidden[:, 0]`` holds L − 2."""
+    target, d = _anchor_drafter(4.0)
+    cfg, params = d.config, d.params
+    seq = jnp.asarray([[2, 5, 1, 3, 4, 0, 2, 2, 5, 1, 3, 3], [1, 4, 4, 2, 0, 3, 5, 5, 1, 2, 0, 4]], jnp.int32)
+    feats, _ = _features_and_logits(target.graphdef, target.config, target.params, seq)
+    c = np.asarray(block_net.context(cfg, params["train"], feats))  # [2, 12, D]
+    plen = jnp.asarray([5, 3], jnp.int32)
+    sp = _sp(2)
+    buf = jnp.zeros((2, 16), jnp.int32).at[:, :12].set(seq)
+    state = d.init_state(params, DraftContext(buf, plen, sp, feats[:, :5], jnp.zeros((2,), jnp.int32)), 16)
+    np.testing.assert_allclose(np.asarray(state["prev"]), c[[0, 1], [3, 1]], atol=1e-5)
+    zeros = jnp.zeros((2, GAMMA + 1, feats.shape[-1]), jnp.float32)
+    _, s1 = d._block(params, state, DraftContext(buf, plen, sp, zeros, jnp.zeros((2,), jnp.int32)), GAMMA)
+    np.testing.assert_allclose(np.asarray(s1["prev"]), c[[0, 1], [3, 1]], atol=1e-5)
+    # two plain rounds first (the engine's speculation off): lengths moved on, the drafter still fresh
+    moved = plen + 2
+    hidden = zeros.at[:, 0].set(feats[jnp.arange(2), moved - 2])
+    _, s2 = d._block(params, state, DraftContext(buf, moved, sp, hidden, jnp.zeros((2,), jnp.int32)), GAMMA)
+    np.testing.assert_allclose(np.asarray(s2["prev"]), c[[0, 1], [5, 3]], atol=1e-5)

@@ -98,6 +98,14 @@ def test_bad_token_id_files_are_one_line(generated, tmp_path):
     damaged = str(tmp_path / "damaged.npz")
     np.savez_compressed(damaged, **dict(arrs, lengths=arrs["lengths"][:-1]))
     cases["damaged"] = damaged
+    npy = str(tmp_path / "array.npy")
+    np.save(npy, np.arange(5))
+    cases["npy"] = npy
+    rows_bad = str(tmp_path / "rows.npz")
+    meta = json.loads(str(arrs["meta"]))
+    np.savez_compressed(rows_bad, **dict(arrs, meta=np.array(json.dumps(dict(meta, sequences_meta=[1] * len(
+        meta["sequences_meta"]))))))
+    cases["rows"] = rows_bad
     for name, path in cases.items():
         with pytest.raises(DistillError) as e:
             read_token_ids(path)
@@ -111,6 +119,23 @@ def test_bad_token_id_files_are_one_line(generated, tmp_path):
         part_sequences(str(tmp_path / "nowhere"))
     with pytest.raises(DistillError, match="does not exist"):
         export_token_ids(str(tmp_path / "no" / "dir" / "x.npz"), [str(d / "data")], target)
+    with pytest.raises(DistillError, match="is a directory"):
+        export_token_ids(str(tmp_path), [str(d / "data")], target)
+
+
+def test_replayed_parts_are_reused_only_for_the_same_file(generated, tmp_path):
+    from specjax.train.token_ids import check_replay_source, file_source
+
+    target, d = generated
+    seqs = part_sequences(str(d / "data"))
+    f = str(tmp_path / "ids.npz")
+    write_token_ids(f, seqs, target)
+    parts = str(tmp_path / "parts")
+    check_replay_source(parts, file_source(f), f)
+    check_replay_source(parts, file_source(f), f)  # the same content: fine
+    write_token_ids(f, seqs[:-1], target)  # re-exported with other content at the same path
+    with pytest.raises(DistillError, match="content changed"):
+        check_replay_source(parts, file_source(f), f)
 
 
 def test_distill_trains_on_stored_ids_without_generating(generated, tmp_path):
@@ -150,3 +175,15 @@ def test_distill_trains_on_stored_ids_without_generating(generated, tmp_path):
     assert cli.cmd_distill(p.parse_args(["--model", str(tmp_path / "target"), "--export-ids", str(e),
                                          "--data-dir", str(out / "data_ids" / "0-ids")])) == 0
     assert read_token_ids(str(e), target)[1]["tokens"] == read_token_ids(path)[1]["tokens"]
+    for extra in (["--out", str(tmp_path / "o")], ["--resume"], ["--data-ids", path]):
+        with pytest.raises(DistillError, match="does not go with it"):
+            cli.cmd_distill(p.parse_args(["--export-ids", str(e), "--data-dir", str(out / "data_ids" / "0-ids"),
+                                          *extra]))
+    # a run's data made by one --model, exported as another's: refused before loading anything
+    made = tmp_path / "made"
+    (made / "data").mkdir(parents=True)
+    for n in os.listdir(d / "data"):
+        (made / "data" / n).write_bytes((d / "data" / n).read_bytes())
+    (made / "run.json").write_text(json.dumps({"model": str(tmp_path / "target")}))
+    with pytest.raises(DistillError, match="was made by --model"):
+        cli.cmd_distill(p.parse_args(["--export-ids", str(e), "--data-dir", str(made / "data")]))

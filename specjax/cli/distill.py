@@ -146,9 +146,10 @@ def trainer(arch: str):
 
 
 def export_ids(args) -> int:
-    """``--export-ids FILE``: the token ids of the ``--data-dir`` data sets written to FILE."""
-    import shlex
-    import sys
+    """``--export-ids FILE``: the token ids of the ``--data-dir`` data sets written to FILE (checked
+    before the target is loaded: the file's folder, the data sets, the model that made them)."""
+    import json
+    import os
 
     from specjax.io.loading import load_model
     from specjax.train.common import log
@@ -157,12 +158,30 @@ def export_ids(args) -> int:
     if not args.data_dir:
         raise DistillError("--export-ids FILE writes the token ids of data sets: give them with --data-dir DIR "
                            "[DIR ...] (a run's DIR/data, DIR/data_self)")
-    check_export_path(args.export_ids)  # before the target is loaded
+    for flag, given in (("--out", args.out), ("--data-ids", args.data_ids), ("--resume", args.resume),
+                        ("--bench", args.bench), ("--export-only", args.export_only)):
+        if given:
+            raise DistillError(f"--export-ids only writes the token ids of --data-dir data sets; {flag} does not go "
+                               "with it (run that separately)")
+    check_export_path(args.export_ids)
+
+    def same(a, b):  # model names or paths
+        norm = lambda x: os.path.abspath(x) if x and os.path.exists(x) else x  # noqa: E731
+        return norm(a) == norm(b)
+
     for d in args.data_dir:
         part_sequences(d)
+        run_file = os.path.join(os.path.dirname(os.path.abspath(d)), "run.json")
+        if os.path.isfile(run_file):
+            with open(run_file) as f:
+                made_by = json.load(f).get("model")
+            if not same(made_by, args.model):
+                raise DistillError(f"--data-dir {d} was made by --model {made_by or 'default'}, not "
+                                   f"{args.model or 'default'}: give --model {made_by or 'default'}")
     target = load_model(args.model or "default", dtype="float32")
-    meta = export_token_ids(args.export_ids, list(args.data_dir), target,
-                            note="specjax distill " + " ".join(shlex.quote(a) for a in sys.argv[2:]))
+    note = "specjax distill" + (f" --model {args.model}" if args.model else "") + \
+        f" --export-ids {args.export_ids} --data-dir {' '.join(args.data_dir)}"
+    meta = export_token_ids(args.export_ids, list(args.data_dir), target, note=note)
     log(f"wrote {args.export_ids}: {meta['sequences']} sequences, {meta['tokens']} tokens")
     return 0
 

@@ -14,8 +14,9 @@ last_accepted, L0 = L − n − 1. Each round:
 
 The prefill writes the prompt's context (positions 0 .. P − 1); the first round writes nothing
 (there is no target call yet: ``fresh``). With ``anchor_feature`` the state also keeps ``prev``, the
-context vector at position L − 2 that the anchor's input reads (the prefill's at P − 2; after a
-target call, that of ``target_hidden[:, n]``).
+context vector at position L − 2 that the anchor's input reads: the prefill's (position P − 2, used
+while L is still P), else that of ``target_hidden[:, n]`` (also after the serving engine's plain
+rounds, which leave the drafter's state as it was but ``target_hidden`` at index 0 = L − 2).
 
 **Exactness at T > 0** (a chain). The drafts are x_i ~ q_i, each with its own PRNG key
 (``keys[:, i]``: no noise shared across block positions), and ``Proposal.probs[:, i]`` is exactly
@@ -111,6 +112,7 @@ class BlockDrafter(Drafter):
             h = jnp.take_along_axis(context.target_hidden, idx[:, None, None], axis=1)[:, 0]
             prev = block_net.context(self.config, params["train"], h)
             state["prev"] = jnp.where((context.lengths >= 2)[:, None], prev, 0.0)
+            state["prev_len"] = context.lengths  # the L at which ``prev`` is c_{L−2}
         return state
 
     def _block(self, params, state, context: DraftContext, gamma: int):
@@ -125,10 +127,11 @@ class BlockDrafter(Drafter):
         anchor = jnp.take_along_axis(context.tokens, (lengths - 1)[:, None], axis=1)[:, 0]
         new = {"cache": cache, "fresh": jnp.zeros_like(fresh)}
         prev = None
-        if self.config.anchor_feature:  # c at L − 2: target_hidden[:, n] after a target call, else the prefill's
+        if self.config.anchor_feature:  # c at L − 2: the prefill's before any target call, else target_hidden[:, n]
             h = jnp.take_along_axis(context.target_hidden, n[:, None, None], axis=1)[:, 0]
-            prev = jnp.where(fresh[:, None], state["prev"], block_net.context(self.config, params["train"], h))
-            new["prev"] = prev
+            first = fresh & (lengths == state["prev_len"])
+            prev = jnp.where(first[:, None], state["prev"], block_net.context(self.config, params["train"], h))
+            new.update(prev=prev, prev_len=lengths)
         f = block_net.block_forward(self.config, params, cache, anchor, lengths - 1, gamma, prev)  # [B, γ, D]
         logits = full_logits(params, f, self._vocab)
         return logits, new

@@ -134,6 +134,9 @@ def _init_drafter(s, target, sub_ids, init):
         # anchor feature (a zero anchor_proj: the same drafter at step 0) may change
         cfg = dataclasses.replace(init.config, block_size=s.block_size, feature_layers=cfg.feature_layers,
                                   anchor_feature=bool(s.anchor_feature) or init.config.anchor_feature)
+        if init.config.anchor_feature and not s.anchor_feature:
+            log(f"--init-from {s.init_from}: that drafter reads the anchor feature; it keeps it (--anchor-feature)")
+            s.anchor_feature = True
     frozen = frozen_params(target, sub_ids)
     if init is None:
         return cfg, frozen, block_net.init_params(cfg, s.seed, target.params["final_norm"][...])

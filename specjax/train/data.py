@@ -25,11 +25,11 @@ def topk_stats(logits, topk: int):
 
     # top-k of the logits themselves (softmax keeps the order), normalized by one max + sum-exp
     # reduction: no [..., vocab] log-probability array is written (≈ 40 % less time on XLA CPU at
-    # 49k entries; the same ids, probabilities within 1e-9)
+    # 49k entries; the same ids but at exact ties)
     m = jnp.max(logits, axis=-1, keepdims=True)
-    lse = m + jnp.log(jnp.sum(jnp.exp(logits - m), axis=-1, keepdims=True))
+    log_z = jnp.log(jnp.sum(jnp.exp(logits - m), axis=-1, keepdims=True))
     tv, ti = jax.lax.top_k(logits, topk)
-    return jnp.exp(tv - lse), ti.astype(jnp.int32), jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jnp.exp((tv - m) - log_z), ti.astype(jnp.int32), jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
 def _gen_fn(target, prompt_len: int, max_new: int, topk: int, feature_layers: tuple[int, ...] = ()):

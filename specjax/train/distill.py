@@ -54,7 +54,7 @@ from specjax.train.text_data import teacher_forced_data, text_windows
 from specjax.train.export import export_drafter
 from specjax.train.loop import (TrainState, evaluate, format_alphas, make_eval_fn, make_optimizer, make_train_step,
                                 open_checkpoints, record_eval, restore_latest, train)
-from specjax.train.options import RUN_KEYS, check_args, check_out_dir, not_started
+from specjax.train.options import ADDED_KEYS, RUN_KEYS, check_args, check_out_dir, not_started
 from specjax.train.records import generation_order, make_split, read_records, read_split, round_robin
 
 __all__ = ["DistillError", "DistillRun", "bench", "load_run", "make_data", "open_run", "run", "split_indices"]  # the steps other trainers share
@@ -137,6 +137,8 @@ def open_run(args, keys=RUN_KEYS) -> tuple[str, argparse.Namespace]:
     out = os.path.abspath(args.out)
     run_file = os.path.join(out, "run.json")
     settings = {k: getattr(args, k) for k in keys}
+    if settings.get("data_ids"):  # recorded absolute: a --resume from another directory finds the same files
+        settings["data_ids"] = [os.path.abspath(x) for x in settings["data_ids"]]
     if os.path.exists(out) and not os.path.isdir(out):
         raise DistillError(f"--out {out} is a file; give a directory for the run")
     resuming = os.path.exists(out) and bool(os.listdir(out)) and not not_started(out)
@@ -156,7 +158,8 @@ def open_run(args, keys=RUN_KEYS) -> tuple[str, argparse.Namespace]:
         if arch != getattr(args, "arch", "eagle"):
             raise DistillError(f"--resume: the run in {out} trains a drafter of kind {arch!r}; resume it with "
                                f"--arch {arch}")
-        settings = {k: saved.get(k, v) for k, v in settings.items()}
+        # a setting the run predates takes its value of then (off), not this command line's
+        settings = {k: saved.get(k, ADDED_KEYS.get(k, v)) for k, v in settings.items()}
     s = argparse.Namespace(**settings)
     check_args(s, export_only=getattr(args, "export_only", False))  # before anything is written or loaded
     if resuming:
@@ -221,12 +224,13 @@ def replay_token_ids(r: DistillRun) -> list[str]:
     """The data directories made from the run's ``--data-ids`` files: each file's sequences
     teacher-forced into ``OUT/data_ids/<i>-<name>`` (:func:`specjax.train.token_ids.replay_data`;
     resumable part by part). Returns the directories, in the order given."""
-    from specjax.train.token_ids import read_token_ids, replay_data
+    from specjax.train.token_ids import check_replay_source, file_source, read_token_ids, replay_data
 
     s, dirs = r.s, []
     for i, path in enumerate(getattr(s, "data_ids", None) or []):
         seqs, meta = read_token_ids(path, r.target)
         d = os.path.join(r.out, "data_ids", f"{i}-{os.path.splitext(os.path.basename(path))[0]}")
+        check_replay_source(d, file_source(path), path)  # finished parts are reused only for the same content
         log(f"--data-ids {path}: {meta['sequences']} sequences, {meta['tokens']} tokens; teacher forcing into {d}")
         replay_data(r.target, seqs, batch=s.gen_batch, topk=s.topk, parts_dir=d, feature_layers=r.feature_layers,
                     log=log)

@@ -16,6 +16,9 @@ RUN_KEYS = ("model", "prompts", "split", "steps", "seed", "batch_size", "lr", "e
             "train_only", "feature_layers", "ttt_steps", "text_corpus", "text_tokens", "text_window", "data_ids")
 # what a block-drafter run (--arch block, :mod:`specjax.train.block_distill`) records besides RUN_KEYS
 BLOCK_KEYS = ("arch", "block_size", "layers", "anchors", "position_decay", "anchor_feature")
+# settings added after runs were recorded: a resumed run whose run.json lacks one gets this value (what
+# such a run did), not the resuming command line's
+ADDED_KEYS = {"data_ids": None, "anchor_feature": False}
 # the options only the EAGLE trainer reads, with their defaults (the CLI's defaults: specjax.cli.distill);
 # a block run given another value refuses it rather than ignore it
 EAGLE_ONLY_DEFAULTS = {"onpolicy_after": 0, "gamma": 4, "ttt_steps": 3, "ce_weight": 1.0, "ce": "full",

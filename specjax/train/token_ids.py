@@ -4,8 +4,8 @@ and argmax are recomputed by teacher forcing, so no later run has to decode the 
 
 A generated data set (:func:`specjax.train.data.generate_data`) holds, per position, the fused
 features (3 × 576 float16) and the top-k distribution: ≈ 3.6 kB per token, 10 GB for 3 M tokens.
-Its token ids are 2 bytes per token (uint16 while the vocabulary has ≤ 65,536 entries), ≈ 1.3 after
-compression. Decoding them took hours (the target writes one token per step); recomputing what
+Its token ids are 2 bytes per token (uint16 while the vocabulary has ≤ 65,536 entries), about 1
+after compression. Decoding them took hours (the target writes one token per step); recomputing what
 training needs from them is one prefill pass per batch (teacher forcing, several times faster),
 and gives the same numbers up to float rounding: a causal model's outputs at position t depend only
 on positions ≤ t, whether they were decoded one at a time or in one pass.
@@ -29,6 +29,9 @@ from specjax.train.common import DistillError
 
 FORMAT = "specjax-token-ids/1"
 SEQ_KEYS = ("question_id", "category", "turn", "sample", "seed", "source")  # what a sequence keeps besides its ids
+# positions per teacher-forcing call: its [rows, bucket, vocab] float32 logits stay ≈ 0.8 GB at a 49k vocabulary
+REPLAY_TOKENS = 4096
+SOURCE_FILE = "source.json"  # in a replayed data directory: which token-id file (size, SHA-256) it was made from
 
 
 def part_sequences(parts_dir: str) -> list[dict]:
@@ -85,7 +88,8 @@ def write_token_ids(path: str, seqs: list[dict], target, note: str = "") -> dict
     per-sequence list). ``note``: how the data was made (the command), kept in the file.
 
     Raises:
-      DistillError: no sequences, or a token id outside the target's vocabulary."""
+      DistillError: no sequences, a token id outside the target's vocabulary, or ``path`` not
+        writable (nothing is left behind)."""
     from specjax.drafters.eagle_files import target_fingerprint
 
     if not seqs:
@@ -93,17 +97,25 @@ def write_token_ids(path: str, seqs: list[dict], target, note: str = "") -> dict
     vocab = int(target.config.vocab_size)
     dtype = np.uint16 if vocab <= 1 << 16 else np.uint32
     ids = np.concatenate([np.asarray(q["ids"], np.int64) for q in seqs])
-    if ids.min() < 0 or ids.max() >= vocab:
-        raise DistillError(f"token id {int(ids.max())} is outside the target's vocabulary of {vocab}")
+    bad = ids[(ids < 0) | (ids >= vocab)]
+    if len(bad):
+        raise DistillError(f"token id {int(bad[0])} is outside the target's vocabulary of {vocab}: these sequences "
+                           "were not made by this target (give its --model)")
     meta = {"format": FORMAT, "vocab_size": vocab, "target_name": getattr(target, "name", None),
             "target_fingerprint": target_fingerprint(target), "tokens": int(len(ids)), "sequences": len(seqs),
             "note": note}
     full = dict(meta, sequences_meta=[{k: q.get(k) for k in SEQ_KEYS} for q in seqs])
     tmp = path + ".tmp.npz"
-    np.savez_compressed(tmp, ids=ids.astype(dtype), lengths=np.array([len(q["ids"]) for q in seqs], np.int32),
-                        prompt_len=np.array([int(q["prompt_len"]) for q in seqs], np.int32),
-                        meta=np.array(json.dumps(full)))
-    os.replace(tmp, path)
+    try:
+        np.savez_compressed(tmp, ids=ids.astype(dtype), lengths=np.array([len(q["ids"]) for q in seqs], np.int32),
+                            prompt_len=np.array([int(q["prompt_len"]) for q in seqs], np.int32),
+                            meta=np.array(json.dumps(full)))
+        os.replace(tmp, path)
+    except OSError as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise DistillError(f"--export-ids {path}: cannot write it ({e.strerror or e}); choose a writable place") \
+            from None
     return meta
 
 
@@ -114,30 +126,39 @@ def read_token_ids(path: str, target=None) -> tuple[list[dict], dict]:
 
     Raises:
       DistillError: one line naming ``path``: missing, not a token-id file, damaged, or made by
-        another target."""
+        another target (or holding ids outside its vocabulary)."""
     from specjax.drafters.eagle_files import fingerprint_mismatch, target_fingerprint
 
     if not os.path.isfile(path):
         raise DistillError(f"--data-ids {path}: no such file (a token-id file: specjax distill --export-ids)")
     try:
-        with np.load(path, allow_pickle=False) as z:
+        z = np.load(path, allow_pickle=False)
+        if not isinstance(z, np.lib.npyio.NpzFile):  # a bare .npy array
+            raise ValueError("an array, not an archive")
+        with z:
             meta = json.loads(str(z["meta"]))
-            ids, lengths, plen = z["ids"], z["lengths"], z["prompt_len"]
-    except (zipfile.BadZipFile, ValueError, KeyError, OSError, EOFError) as e:
+            ids, lengths, plen = (np.asarray(z[k]).reshape(-1) for k in ("ids", "lengths", "prompt_len"))
+    except (zipfile.BadZipFile, ValueError, KeyError, OSError, EOFError, TypeError) as e:
         raise DistillError(f"--data-ids {path}: not a readable token-id file ({type(e).__name__}); make one with "
                            "specjax distill --export-ids") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise DistillError(f"--data-ids {path}: not a {FORMAT} file; make one with specjax distill --export-ids")
-    rows = meta.get("sequences_meta") or []
-    if not (len(rows) == len(lengths) == len(plen) and int(lengths.sum()) == len(ids)
+    rows = meta.get("sequences_meta")
+    if not (isinstance(rows, list) and all(isinstance(r, dict) for r in rows)
+            and all(np.issubdtype(a.dtype, np.integer) for a in (ids, lengths, plen))
+            and len(rows) == len(lengths) == len(plen) and int(lengths.sum()) == len(ids)
             and (lengths > 0).all() and (plen >= 1).all() and (plen <= lengths).all()):
         raise DistillError(f"--data-ids {path}: its sequence table does not match its ids (a damaged file); "
                            "export it again")
+    meta["sequences"], meta["tokens"] = len(rows), int(len(ids))
     if target is not None:
         why = fingerprint_mismatch(meta.get("target_fingerprint") or {}, target_fingerprint(target))
         if why:
             raise DistillError(f"--data-ids {path} holds the text of target {meta.get('target_name')!r}, not of the "
                                f"target loaded ({why}); use --model with that target or make new data")
+        if len(ids) and int(ids.max()) >= target.config.vocab_size:
+            raise DistillError(f"--data-ids {path}: token id {int(ids.max())} is outside the target's vocabulary of "
+                               f"{target.config.vocab_size} (a damaged file); export it again")
     starts = np.concatenate([[0], np.cumsum(lengths)])
     seqs = []
     for i, row in enumerate(rows):
@@ -153,11 +174,43 @@ def length_buckets(lengths, step: int = 64) -> list[int]:
     return sorted({-(-int(n) // step) * step for n in lengths})
 
 
+def file_source(path: str) -> dict:
+    """What identifies a token-id file's content: ``{"size", "sha256"}``."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return {"size": os.path.getsize(path), "sha256": h.hexdigest()}
+
+
+def check_replay_source(parts_dir: str, source: dict, path: str) -> None:
+    """Record ``source`` (:func:`file_source` of ``path``) in ``parts_dir`` on first use; refuse to
+    reuse parts made from another file's content.
+
+    Raises:
+      DistillError: ``parts_dir`` holds parts made from a different file."""
+    rec = os.path.join(parts_dir, SOURCE_FILE)
+    if os.path.exists(rec):
+        with open(rec) as f:
+            old = json.load(f)
+        if {k: old.get(k) for k in source} != source:
+            raise DistillError(f"--data-ids {path}: its content changed since {parts_dir} was computed from it; "
+                               "start a new --out (or restore the file)")
+        return
+    os.makedirs(parts_dir, exist_ok=True)
+    with open(rec + ".tmp", "w") as f:
+        json.dump(dict(source, path=os.path.abspath(path)), f)
+    os.replace(rec + ".tmp", rec)
+
+
 def replay_data(target, seqs: list[dict], *, batch: int, topk: int, parts_dir: str, feature_layers=(),
                 log=print, step: int = 64) -> None:
     """The target's features (fused with ``feature_layers``), top-k probabilities and argmax at
     every position of ``seqs`` (from :func:`read_token_ids`) by teacher forcing: sequences grouped
-    by padded length (:func:`length_buckets`), ``batch`` per prefill call, written in parts as
+    by padded length (:func:`length_buckets`), at most ``batch`` and at most
+    :data:`REPLAY_TOKENS` // length per prefill call (the logits' memory), written in parts as
     :func:`specjax.train.data.generate_data` writes them (same arrays and sequence dicts; a
     restart skips the finished parts, so the order must not change: it is fixed by ``seqs``)."""
     from specjax.train.data import write_part
@@ -168,7 +221,7 @@ def replay_data(target, seqs: list[dict], *, batch: int, topk: int, parts_dir: s
     groups = []
     for i in order:
         w = -(-len(seqs[i]["ids"]) // step) * step
-        if not groups or groups[-1][0] != w or len(groups[-1][1]) == batch:
+        if not groups or groups[-1][0] != w or len(groups[-1][1]) == _rows(batch, w):
             groups.append((w, []))
         groups[-1][1].append(i)
     fns, t0, done = {}, time.time(), 0
@@ -180,7 +233,7 @@ def replay_data(target, seqs: list[dict], *, batch: int, topk: int, parts_dir: s
             continue
         if w not in fns:
             fns[w] = _prefill_fn(target, w, topk, tuple(feature_layers))
-        ids = np.zeros((batch, w), np.int32)
+        ids = np.zeros((_rows(batch, w), w), np.int32)
         for j, i in enumerate(idx):
             ids[j, : len(seqs[i]["ids"])] = seqs[i]["ids"]
         hid, tp, ti, am = (np.asarray(x) for x in fns[w](target.params, ids))
@@ -194,3 +247,8 @@ def replay_data(target, seqs: list[dict], *, batch: int, topk: int, parts_dir: s
         el = time.time() - t0
         log(f"teacher forcing the stored token ids: {done}/{total} tokens ({el:.0f}s, "
             f"{done / max(el, 1e-9):.0f} tokens/s)")
+
+
+def _rows(batch: int, width: int) -> int:
+    """Rows per teacher-forcing call of ``width`` positions (fixed per width: resume-safe)."""
+    return max(1, min(int(batch), REPLAY_TOKENS // int(width)))
