@@ -187,3 +187,23 @@ def test_distill_trains_on_stored_ids_without_generating(generated, tmp_path):
     (made / "run.json").write_text(json.dumps({"model": str(tmp_path / "target")}))
     with pytest.raises(DistillError, match="was made by --model"):
         cli.cmd_distill(p.parse_args(["--export-ids", str(e), "--data-dir", str(made / "data")]))
+
+
+def test_the_stored_data_sets_are_the_default_models(default_model):
+    """``data/smollm2-135m-instruct/*.npz`` read back for the default model (fingerprint, table, ids in
+    its vocabulary), hold what the README's table says, and keep the evaluation split's answers
+    greedy-only (so ``--split configs/spec_bench_split.json`` holds them out)."""
+    import glob
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    files = sorted(glob.glob(os.path.join(root, "data", "smollm2-135m-instruct", "*.npz")))
+    assert files, "the stored data sets are missing"
+    readme = open(os.path.join(root, "data", "smollm2-135m-instruct", "README.md"), encoding="utf-8").read()
+    ev = set(json.load(open(os.path.join(root, "configs", "spec_bench_split.json")))["eval"])
+    total = 0
+    for f in files:
+        seqs, meta = read_token_ids(f, default_model)
+        total += meta["tokens"]
+        assert f"`{os.path.basename(f)}` | {meta['sequences']:,} | {meta['tokens']:,} |" in readme, f
+        assert all(q["sample"] == 0 for q in seqs if q["question_id"] in ev)
+    assert f"**{total:,}**" in readme
