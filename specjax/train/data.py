@@ -403,6 +403,13 @@ def _npz_member(path: str, name: str):
     return np.memmap(path, dtype=dtype, mode="r", shape=shape, offset=offset)
 
 
+def part_files(parts_dir: str) -> list[str]:
+    """The finished part files of ``parts_dir`` (:func:`write_part`'s ``part_NNNN.npz``, not the
+    temporary ones), in order."""
+    return [os.path.join(parts_dir, n) for n in sorted(os.listdir(parts_dir))
+            if n.startswith("part_") and n.endswith(".npz") and ".tmp" not in n]
+
+
 def collect_parts(parts_dir: str) -> tuple[list[dict], dict]:
     """All finished parts of ``parts_dir`` as ``(seqs, arrays)``: the sequence dicts, each
     with its ``offset`` (first row) into the arrays ``hidden`` [N, F] (float32 [N, D], or
@@ -415,10 +422,7 @@ def collect_parts(parts_dir: str) -> tuple[list[dict], dict]:
     """
     seqs, arrs, hidden = [], defaultdict(list), []
     off = 0
-    for name in sorted(os.listdir(parts_dir)):
-        if not (name.startswith("part_") and name.endswith(".npz")) or ".tmp" in name:
-            continue
-        path = os.path.join(parts_dir, name)
+    for path in part_files(parts_dir):
         z = np.load(path)
         for q in json.loads(str(z["seqs"])):
             q["offset"] = off

@@ -43,11 +43,12 @@ def part_sequences(parts_dir: str) -> list[dict]:
       DistillError: ``parts_dir`` missing or without a finished part."""
     if not os.path.isdir(parts_dir):
         raise DistillError(f"{parts_dir}: no such data directory (a distill run's DIR/data or DIR/data_self)")
+    from specjax.train.data import part_files
+
     seqs = []
-    for name in sorted(os.listdir(parts_dir)):
-        if name.startswith("part_") and name.endswith(".npz") and ".tmp" not in name:
-            with np.load(os.path.join(parts_dir, name)) as z:
-                seqs += json.loads(str(z["seqs"]))
+    for path in part_files(parts_dir):
+        with np.load(path) as z:
+            seqs += json.loads(str(z["seqs"]))
     if not seqs:
         raise DistillError(f"{parts_dir}: no generated data yet")
     return seqs
