@@ -11,6 +11,7 @@ line switches it on with the compilation cache and off with ``SPECJAX_NO_PROGRAM
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import re
@@ -153,3 +154,72 @@ def test_the_command_line_switches_it(monkeypatch, tmp_path, capsys):
     finally:
         jax.config.update("jax_compilation_cache_dir", old)
     capsys.readouterr()
+
+
+def _fresh_process():
+    """What a new process starts with: no prefetch in flight, nothing recorded as used."""
+    programs.finish()
+
+
+def test_prefetch_compiles_the_last_runs_programs_for_the_next(program_dir):
+    """remember(tag) records the programs a run used; prefetch(tag) in the next process compiles
+    them on threads, and the Decoder takes them (same tokens as traced programs); another tag,
+    or a damaged recent.json, prefetches nothing."""
+    target = tiny_model(seed=9)
+    sampled = SamplingParams.create(2, temperature=[0.0, 0.8], top_k=[0, 5])
+    _fresh_process()
+    dec1, first = _decode(target, NgramDrafter(2), seed=3, sampling=sampled)
+    programs.remember("tag-a")
+    recent = json.loads(open(os.path.join(program_dir, programs.RECENT)).read())
+    assert list(recent) == ["tag-a"] and len(recent["tag-a"]) == 2
+    _fresh_process()
+    assert programs.prefetch("tag-b") == 0  # nothing recorded for it
+    assert programs.prefetch("tag-a") == 2
+    dec2, second = _decode(target, NgramDrafter(2), seed=3, sampling=sampled)
+    got = [c for c in dec2._compiled.values() if isinstance(c, programs.ExportedProgram)]
+    assert [c.prefetched for c in got] == [True, True] and programs._prefetched == {}
+    programs.disable()
+    dec3, traced = _decode(target, NgramDrafter(2), seed=3, sampling=sampled)
+    for res in (first, second):
+        assert [list(t) for t in res.tokens] == [list(t) for t in traced.tokens]
+    programs.enable(program_dir)
+    with open(os.path.join(program_dir, programs.RECENT), "w") as f:
+        f.write("{not json")
+    assert programs.prefetch("tag-a") == 0
+    _decode(target, None)
+    programs.remember("tag-c")  # rewrites the damaged index
+    assert "tag-c" in json.loads(open(os.path.join(program_dir, programs.RECENT)).read())
+
+
+def test_a_prefetch_that_guessed_wrong_is_not_used(program_dir):
+    """Programs prefetched for another prompt bucket stay unused: the Decoder compiles its own
+    (exact key match only), and the tokens are those of a run without any prefetch."""
+    target = tiny_model(seed=10)
+    _fresh_process()
+    _decode(target, None)
+    programs.remember("t")
+    _fresh_process()
+    assert programs.prefetch("t") == 2
+    dec = Decoder(target, None, gamma=3)
+    res = dec.generate([[5] * 40, [6] * 3], max_new_tokens=12)  # a longer prompt: another bucket
+    got = [c for c in dec._compiled.values() if isinstance(c, programs.ExportedProgram)]
+    assert got and not any(c.prefetched for c in got)
+    programs.finish()
+    programs.disable()
+    ref = Decoder(target, None, gamma=3).generate([[5] * 40, [6] * 3], max_new_tokens=12)
+    assert [list(t) for t in res.tokens] == [list(t) for t in ref.tokens]
+
+
+def test_the_generate_tag_leaves_out_the_prompts_only():
+    """The command's tag: the same for other prompts and seeds, another for another γ or batch."""
+    from types import SimpleNamespace
+
+    from specjax.cli.generate import program_tag
+
+    s = {"model": None, "draft": "default", "gamma": 2, "dtype": "int8", "tree": None}
+    a = SimpleNamespace(batch_size=1, logprobs=None, mesh=None, ignore_eos=False, stop=[], prompt_pos="x", seed=1)
+    b = SimpleNamespace(**{**vars(a), "prompt_pos": "another prompt", "seed": 7})
+    assert program_tag(s, a) == program_tag(s, b)
+    assert program_tag({**s, "gamma": 3}, a) != program_tag(s, a)
+    assert program_tag(s, SimpleNamespace(**{**vars(a), "batch_size": 4})) != program_tag(s, a)
+    assert program_tag({**s, "sampling": object()}, a) is None  # no stable text: no tag

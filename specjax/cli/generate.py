@@ -11,6 +11,7 @@ from specjax.cli.common import (
     UsageError, add_model_args, check_logprobs, collect_prompts, load_target_and_drafter, note, note_prompt_caps,
     chat_default, parse_gamma, peek_vocab_size, resolve, resolve_auto_dtype,
 )
+from specjax.runtime import programs
 
 
 def unescape(text: str) -> str:
@@ -65,6 +66,9 @@ def cmd_generate(args) -> int:
         mesh = sharding.MeshSpec.parse(args.mesh)
     progress = None if os.environ.get("SPECJAX_NO_PROGRESS") else Progress()
     tree = s["tree"]
+    tag = program_tag(s, args)
+    if tag is not None:  # the programs the last run with these settings used: compiled while the weights load
+        programs.prefetch(tag)
     target, drafter = _load_for_generate(s, gamma, mesh, progress)
     check_logprobs(args.logprobs, target.config.vocab_size)
     chat = chat_default(target, s["chat"])
@@ -98,7 +102,22 @@ def cmd_generate(args) -> int:
         stop=args.stop, logprobs=args.logprobs, on_text=on_text if stream else None, on_done=on_done,
         progress=progress, parse_special=s["parse_special"], chat_template_kwargs=template_kwargs,
     )
+    if tag is not None:
+        programs.remember(tag)
     return 0
+
+
+def program_tag(s: dict, args) -> str | None:
+    """A digest of every setting of this ``generate`` but its prompts (and seed): runs with the
+    same tag compile the same programs but for the prompts' length bucket
+    (:func:`specjax.runtime.programs.prefetch`); None when a setting has no stable text."""
+    import hashlib
+
+    text = repr(("generate", sorted((k, repr(v)) for k, v in s.items()), args.batch_size, args.logprobs,
+                 args.mesh, args.ignore_eos, len(args.stop or [])))
+    if re.search(r"0x[0-9a-fA-F]{6,}", text):
+        return None
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 def _load_for_generate(s: dict, gamma, mesh, progress):

@@ -39,6 +39,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -125,9 +126,18 @@ def build() -> str:
         return _compile(cxx, tempfile.mkdtemp(prefix="specjax-kernels-"))
 
 
-@functools.lru_cache(maxsize=1)
+_LOAD_LOCK = threading.Lock()
+
+
 def _load():
-    """``(ctypes library, None)`` once registered with XLA, or ``(None, reason)``."""
+    """``(ctypes library, None)`` once registered with XLA, or ``(None, reason)``; thread-safe (a
+    prefetch thread and the loader may ask at once: one build, one registration)."""
+    with _LOAD_LOCK:
+        return _load_once()
+
+
+@functools.lru_cache(maxsize=1)
+def _load_once():
     try:
         lib = ctypes.cdll.LoadLibrary(build())
         for nk, name in TARGETS.items():

@@ -22,6 +22,16 @@ hash), whether the int8 CPU kernel is loaded, the program kind, the full ``repr`
 an object by address (``0x…``) is not cached. Only programs compiled without a mesh and with
 default compiler options are cached.
 
+**Prefetch** (:func:`prefetch`, :func:`remember`): a command tags the programs it used (the tag is
+a digest of its settings, prompts left out) in ``recent.json``; the next command with the same tag
+starts compiling those entries on background threads before it loads the weights, so reading the
+executables back (≈ 1.7 s for the default pair, XLA CPU's deserialization) overlaps the load. Every
+entry is compiled from the abstract arguments it stores (shapes, dtypes, weak types; default
+device), whether prefetched or not, so a prefetched program is the one the command would have
+compiled; :func:`compile_program` takes it only under the exact key, and a guess that does not
+match (another prompt bucket) costs idle CPU, not time on the path. ``SPECJAX_NO_PREFETCH=1``
+switches the prefetch off (``benchmarks/first_text.py`` compares both).
+
 Used only where it is switched on: the ``specjax`` command line turns it on with the
 compilation cache (``SPECJAX_NO_CACHE=1`` turns both off; ``SPECJAX_NO_PROGRAM_CACHE=1`` only
 this); from Python, :func:`enable`. Entries live in ``<compilation cache>/specjax-programs/``
@@ -33,22 +43,31 @@ trusted as the compilation cache, whose entries are native code).
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import hashlib
 import io
+import json
 import os
 import pickle
 import re
+import threading
 from typing import Callable
 
 import jax
 from jax.tree_util import tree_flatten, tree_leaves, tree_unflatten
 
-FORMAT = 1
+FORMAT = 2
 MAX_ENTRIES = 64
+MAX_TAGS = 32  # tags kept in recent.json (newest first)
+MAX_PREFETCH = 4  # programs remembered per tag
 SUBDIR = "specjax-programs"
+RECENT = "recent.json"
 
 _dir: str | None = None
+_prefetched: dict[str, concurrent.futures.Future] = {}  # key -> (compiled, out_tree) or None
+_threads: list[threading.Thread] = []
+_used: list[str] = []  # keys this process compiled or took, in order
 
 
 def enable(directory: str | None = None) -> str | None:
@@ -63,9 +82,20 @@ def enable(directory: str | None = None) -> str | None:
 
 
 def disable() -> None:
-    """Stop using exported programs (compiles trace as before)."""
+    """Stop using exported programs (compiles trace as before); waits for prefetches in flight
+    (an XLA compile must not be running on a thread when the interpreter shuts down)."""
     global _dir
     _dir = None
+    finish()
+
+
+def finish() -> None:
+    """Wait for the prefetch threads and drop what they compiled and what was recorded."""
+    for t in _threads:
+        t.join()
+    _threads.clear()
+    _prefetched.clear()
+    _used.clear()
 
 
 def directory() -> str | None:
@@ -128,11 +158,12 @@ class ExportedProgram:
     from a :mod:`jax.export` module. ``out_info``: the outputs as ``ShapeDtypeStruct`` s with
     shardings; other attributes (``memory_analysis``, ``as_text``, …) are the executable's."""
 
-    def __init__(self, compiled, in_tree, out_tree, loaded: bool):
+    def __init__(self, compiled, in_tree, out_tree, loaded: bool, prefetched: bool = False):
         self._compiled = compiled
         self._in_tree = in_tree
         self._out_tree = out_tree
         self.loaded = loaded  # read from disk (True) or exported in this process (False)
+        self.prefetched = prefetched  # compiled by a prefetch thread (:func:`prefetch`)
 
     def __call__(self, *args):
         leaves, tree = tree_flatten(args)
@@ -164,6 +195,29 @@ class _Unpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a program entry")
 
 
+def _specs(leaves) -> list[tuple] | None:
+    """The abstract arguments an entry is compiled for, ``(shape, dtype name, weak_type)`` per
+    leaf; None when a leaf lives elsewhere than the default device (not cached)."""
+    from jax.sharding import SingleDeviceSharding
+
+    default = jax.devices()[0]
+    out = []
+    for x in leaves:
+        sh = getattr(x, "sharding", None)
+        if sh is not None and not (isinstance(sh, SingleDeviceSharding) and sh.device_set == {default}):
+            return None
+        a = jax.typeof(x)
+        out.append((tuple(a.shape), str(a.dtype), bool(a.weak_type)))
+    return out
+
+
+def _compile_entry(exp, specs, donated):
+    """The executable of an exported module for its stored abstract arguments (the same call
+    whether prefetched or not)."""
+    avals = [jax.ShapeDtypeStruct(shape, jax.numpy.dtype(dt), weak_type=w) for shape, dt, w in specs]
+    return jax.jit(exp.call, donate_argnums=tuple(donated)).trace(*avals).lower().compile()
+
+
 def _write_atomic(path: str, data: bytes) -> None:
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "wb") as f:
@@ -185,16 +239,17 @@ def _evict(d: str) -> None:
 
 
 def _read(base: str):
-    """``(exported, out_tree, needs_kernel)`` of an entry, or None (missing or unreadable)."""
+    """``(exported, out_tree, needs_kernel, specs, donated)`` of an entry, or None (missing or
+    unreadable)."""
     from jax import export
 
     try:
         with open(base + ".tree", "rb") as f:
-            out_tree, needs_kernel = _Unpickler(io.BytesIO(f.read())).load()
+            out_tree, needs_kernel, specs, donated = _Unpickler(io.BytesIO(f.read())).load()
         with open(base + ".jaxexport", "rb") as f:
             exp = export.deserialize(bytearray(f.read()))
         os.utime(base + ".jaxexport")  # recently used: evicted last
-        return exp, out_tree, bool(needs_kernel)
+        return exp, out_tree, bool(needs_kernel), [tuple(x) for x in specs], tuple(donated)
     except FileNotFoundError:
         return None
     except Exception:  # noqa: BLE001  (a damaged or foreign entry: rebuilt)
@@ -217,26 +272,33 @@ def _disabled_checks():
 def compile_program(fn: Callable, which: str, prog, args: tuple, donate: tuple[int, ...] = ()):
     """``fn(prog, *args)`` (a jitted function with ``prog`` static) compiled through an exported
     module kept on disk (:func:`directory`), as an :class:`ExportedProgram`; None when exported
-    programs are off, the key is not stable or the export fails (the caller compiles as before).
-    ``donate``: positions in ``args`` whose buffers the program may reuse (as ``fn``'s own
-    ``donate_argnums``, counted without ``prog``)."""
+    programs are off, the key is not stable, an argument is not on the default device or the
+    export fails (the caller compiles as before). ``donate``: positions in ``args`` whose buffers
+    the program may reuse (as ``fn``'s own ``donate_argnums``, counted without ``prog``). A
+    program :func:`prefetch` compiled under the same key is taken as it is."""
     d = directory()
     if d is None:
         return None
     leaves, in_tree = tree_flatten(args)
-    key = program_key(which, prog, leaves, in_tree)
+    specs = _specs(leaves)
+    key = None if specs is None else program_key(which, prog, leaves, in_tree)
     if key is None:
         return None
-    from jax import export
-
     starts = [0]
     for a in args:
         starts.append(starts[-1] + len(tree_leaves(a)))
     donated = tuple(i for p in donate for i in range(starts[p], starts[p + 1]))
+    _used.append(key)
+    fut = _prefetched.pop(key, None)
+    got = None if fut is None else fut.result()
+    if got is not None and got[2] == specs and got[3] == donated:
+        return ExportedProgram(got[0], in_tree, got[1], True, prefetched=True)
+    from jax import export
+
     base = os.path.join(d, key)
-    got = _read(base)
-    loaded = got is not None
-    if got is None:
+    entry = _read(base)
+    loaded = entry is not None and entry[3] == specs and entry[4] == donated
+    if not loaded:
         out = {}
 
         def flat(*xs):
@@ -249,22 +311,87 @@ def compile_program(fn: Callable, which: str, prog, args: tuple, donate: tuple[i
         except Exception:  # noqa: BLE001  (e.g. an effect or custom call export refuses: compile as before)
             return None
         needs_kernel = any("specjax_q8block" in t for t in _custom_call_targets(exp))
-        got = (exp, out["tree"], needs_kernel)
+        entry = (exp, out["tree"], needs_kernel, specs, donated)
         try:
             os.makedirs(d, exist_ok=True)
-            _write_atomic(base + ".tree", pickle.dumps((out["tree"], needs_kernel)))
+            _write_atomic(base + ".tree", pickle.dumps((out["tree"], needs_kernel, specs, donated)))
             _write_atomic(base + ".jaxexport", bytes(exp.serialize()))
             _evict(d)
         except Exception:  # noqa: BLE001  (a read-only cache, no flatbuffers: this process still uses it)
             pass
-    exp, out_tree, needs_kernel = got
+    exp, out_tree, needs_kernel = entry[:3]
     if needs_kernel:
         from specjax.models import q8
 
         if q8.load() is None:
             return None
-    compiled = jax.jit(exp.call, donate_argnums=donated).trace(*leaves).lower().compile()
-    return ExportedProgram(compiled, in_tree, out_tree, loaded)
+    return ExportedProgram(_compile_entry(exp, specs, donated), in_tree, out_tree, loaded)
+
+
+# ------------------------------------------------------------------ prefetch
+def _recent(d: str) -> dict:
+    try:
+        with open(os.path.join(d, RECENT)) as f:
+            got = json.load(f)
+        return got if isinstance(got, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def remember(tag: str) -> None:
+    """Record the programs this process used (at most :data:`MAX_PREFETCH`, in order) under
+    ``tag`` for :func:`prefetch`; nothing when off or when none was used."""
+    d = directory()
+    keys = list(dict.fromkeys(_used))[:MAX_PREFETCH]
+    if d is None or not keys:
+        return
+    recent = _recent(d)
+    recent.pop(tag, None)
+    recent = {tag: keys, **dict(list(recent.items())[: MAX_TAGS - 1])}
+    try:
+        os.makedirs(d, exist_ok=True)
+        _write_atomic(os.path.join(d, RECENT), json.dumps(recent).encode())
+    except OSError:
+        pass
+
+
+def prefetch(tag: str) -> int:
+    """Start compiling, one background thread each, the programs that the last process with this
+    ``tag`` used (:func:`remember`); :func:`compile_program` takes them by key. Returns how many
+    were started (0 when off or nothing is recorded)."""
+    d = directory()
+    if d is None or os.environ.get("SPECJAX_NO_PREFETCH"):
+        return 0
+    keys = [k for k in _recent(d).get(tag, []) if isinstance(k, str) and re.fullmatch(r"[0-9a-f]{64}", k)]
+    started = 0
+    for key in keys:
+        if key in _prefetched:
+            continue
+        fut = concurrent.futures.Future()
+        _prefetched[key] = fut
+        t = threading.Thread(target=_prefetch_one, args=(os.path.join(d, key), fut), daemon=True,
+                             name=f"specjax-prefetch-{key[:8]}")
+        _threads.append(t)
+        t.start()
+        started += 1
+    return started
+
+
+def _prefetch_one(base: str, fut: concurrent.futures.Future) -> None:
+    try:
+        entry = _read(base)
+        if entry is not None and entry[2]:
+            from specjax.models import q8
+
+            if q8.load() is None:
+                entry = None
+        if entry is None:
+            fut.set_result(None)
+            return
+        exp, out_tree, _, specs, donated = entry
+        fut.set_result((_compile_entry(exp, specs, donated), out_tree, specs, donated))
+    except Exception:  # noqa: BLE001  (a prefetch is a guess: the command compiles as before)
+        fut.set_result(None)
 
 
 def _custom_call_targets(exp) -> list[str]:
