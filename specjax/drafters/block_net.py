@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.drafters.eagle_params import LayerDims, block_weights, resolve_feature_layers
+from specjax.drafters.eagle_params import LayerDims, block_weights, embed_rows, resolve_feature_layers
 from specjax.models import llama
 from specjax.models.config import ModelConfig
 
@@ -225,11 +225,12 @@ def _block_layer(cfg: BlockConfig, p: dict, h, positions, ctx_scores, ctx_values
     return h + _lin(p, jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1], "w_down")
 
 
-def block_input(tp: dict, embed, anchor, gamma: int, prev=None) -> jax.Array:
-    """``[e(anchor) ; m × γ]`` ``[B, γ + 1, D]`` float32: the anchor token's embedding, then γ mask slots.
+def block_input(tp: dict, fz: dict, anchor, gamma: int, prev=None) -> jax.Array:
+    """``[e(anchor) ; m × γ]`` ``[B, γ + 1, D]`` float32: the anchor token's embedding (the target's
+    table in ``fz``, :func:`~specjax.drafters.eagle_params.embed_rows`), then γ mask slots.
     ``prev [B, D]``: the context vector c_{a−1} of the position before the anchor, added to the
     anchor's input through ``anchor_proj`` (``anchor_feature`` drafters; None otherwise)."""
-    e = jnp.take(embed, anchor, axis=0).astype(jnp.float32)
+    e = embed_rows(fz, anchor)
     if prev is not None:
         e = e + llama.matmul(prev.astype(jnp.float32), tp["anchor_proj"], tp.get("anchor_proj_scale"))
     e = e[:, None]
@@ -246,7 +247,7 @@ def block_forward(cfg: BlockConfig, params: dict, cache: llama.KVCache, anchor, 
     Returns ``f [B, γ, D]`` float32, the features of block slots 1..γ (slot i predicts the token
     at ``anchor_pos + i``)."""
     tp, fz = params["train"], params["frozen"]
-    h = block_input(tp, fz["embed"], anchor, gamma, prev if cfg.anchor_feature else None)
+    h = block_input(tp, fz, anchor, gamma, prev if cfg.anchor_feature else None)
     b, t = h.shape[:2]
     pos = anchor_pos[:, None] + jnp.arange(t, dtype=jnp.int32)
     s = cache.max_len
@@ -280,7 +281,7 @@ def train_forward(cfg: BlockConfig, params: dict, feats, tokens, anchors, gamma:
     prev = None
     if cfg.anchor_feature:  # c_{a−1} [B·A, D]
         prev = jnp.take_along_axis(c, (anchors - 1)[:, :, None], axis=1).reshape(b * a_n, -1)
-    h = block_input(tp, fz["embed"], anchor_tok.reshape(-1), gamma, prev).reshape(b, a_n, t, -1)
+    h = block_input(tp, fz, anchor_tok.reshape(-1), gamma, prev).reshape(b, a_n, t, -1)
     h = h.reshape(b * a_n, t, -1)
     pos = (anchors.reshape(-1)[:, None] + jnp.arange(t, dtype=jnp.int32))  # [B·A, T]
     visible = (jnp.arange(w)[None, :] < anchors.reshape(-1)[:, None])[:, None, None, None, :]  # [B·A, 1, 1, 1, W]

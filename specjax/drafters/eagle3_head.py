@@ -119,7 +119,7 @@ def head_forward(cfg: Eagle3HeadConfig, p: dict, feats, tokens, positions, cache
     pos = cache_positions(positions)
     inv = jnp.asarray(l.rope_inv_freq())
     h = feats.astype(jnp.float32)
-    e = jnp.take(p["embed"], tokens, axis=0).astype(jnp.float32)
+    e = llama.embed_rows(p["embed"], p.get("embed_scale"), tokens)
     z = jnp.concatenate([llama.rms_norm(e, p["input_norm"], l.rms_norm_eps),
                          llama.rms_norm(h, p["hidden_norm"], l.rms_norm_eps)], axis=-1)
     q = llama.rope(_lin(p, z, "wq").reshape(b, t, nh, hd), pos, inv)

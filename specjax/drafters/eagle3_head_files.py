@@ -30,7 +30,6 @@ import os
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.drafters.eagle import target_embed
 from specjax.drafters.eagle3_head import ARCHITECTURE, Eagle3HeadConfig, Eagle3HeadDrafter
 from specjax.models import llama
 from specjax.models.config import CheckpointError, ModelConfig
@@ -168,8 +167,10 @@ def head_params(tensors: dict, target, path: str) -> dict:
     p["t_ids"] = jnp.asarray(t_ids.astype(np.int32))
     if "embed_tokens.weight" in tensors:
         p["embed"] = jnp.asarray(np.asarray(tensors["embed_tokens.weight"], np.float32))
-    else:
-        p["embed"] = target_embed(target)
+    else:  # the target's table as it is stored (int8: codes and scales; rows read by embed_rows)
+        p["embed"] = target.params["embed"][...]
+        if "embed_scale" in target.params:
+            p["embed_scale"] = target.params["embed_scale"][...]
     return p
 
 

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.drafters.eagle_params import EagleConfig
+from specjax.drafters.eagle_params import EagleConfig, embed_rows
 from specjax.models import llama
 
 
@@ -42,7 +42,7 @@ def forward(cfg: EagleConfig, params: dict, feats, tokens, positions, cache: lla
     """
     l = cfg.layer
     tp, fz = params["train"], params["frozen"]
-    e = jnp.take(fz["embed"], tokens, axis=0).astype(jnp.float32)
+    e = embed_rows(fz, tokens)
     x = llama.dense(jnp.concatenate([feats.astype(jnp.float32), e], axis=-1), tp["fc"], tp["fc_b"],
                     tp.get("fc_scale"))
     x, kc, vc = llama.decoder_block(tp["layer"], x, positions, cache.k[0], cache.v[0], l, tree_mask=tree_mask)
@@ -85,7 +85,7 @@ def ttt_forward(cfg: EagleConfig, params: dict, feats, tokens, steps: int) -> li
     g = l.num_heads // kv
     inv = jnp.asarray(l.rope_inv_freq())
     pos = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w))
-    e = jnp.take(fz["embed"], tokens, axis=0).astype(jnp.float32)
+    e = embed_rows(fz, tokens)
     lin = lambda x, name, bias=None: llama.dense(x, p[name], p.get(bias) if bias else None,  # noqa: E731
                                                  p.get(name + "_scale"))
     s_idx = jnp.arange(w)[:, None]
@@ -146,7 +146,8 @@ def copy_logit(params: dict, f, cand, n) -> jax.Array:
     """Logit of the copy candidate ``[...]``: ``f · E[cand] + b[n-1] + w · f`` (``-inf`` where
     ``n == 0``: no candidate). ``f [..., D]``, ``cand``/``n`` int32 ``[...]``."""
     tp, fz = params["train"], params["frozen"]
-    rows = jnp.take(fz.get("out_embed", fz["embed"]), cand, axis=0).astype(jnp.float32)
+    rows = (jnp.take(fz["out_embed"], cand, axis=0).astype(jnp.float32) if "out_embed" in fz
+            else embed_rows(fz, cand))
     f = f.astype(jnp.float32)
     b = jnp.take(tp["copy_b"], jnp.maximum(n - 1, 0))
     lc = jnp.sum(f * rows, axis=-1) + b + f @ tp["copy_w"]

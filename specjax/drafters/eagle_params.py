@@ -174,22 +174,33 @@ def target_embed(target, rows=None) -> jax.Array:
     return e if e.dtype == jnp.float32 else e.astype(jnp.float32)
 
 
+def embed_rows(frozen: dict, tokens) -> jax.Array:
+    """The drafter's input embedding of ``tokens [...]``: float32 ``[..., D]`` rows of the target's
+    table in the target's own format (:func:`specjax.models.llama.embed_rows`)."""
+    return llama.embed_rows(frozen["embed"], frozen.get("embed_scale"), tokens)
+
+
 def frozen_params(target, sub_ids) -> dict:
-    """The parts taken from the target: full embedding (input lookups), head rows of the
-    sub-vocabulary (``[|S|, D]``, from the tied embedding or the untied head) and ``sub_ids``;
-    for an untied head also ``out_embed`` (``[V, D]``, every head row, for the copy term)."""
+    """The parts taken from the target: its embedding table as it is stored (``embed`` ``[V, D]``,
+    with ``embed_scale`` for int8: the same arrays, no copy; rows are read through
+    :func:`embed_rows`), head rows of the sub-vocabulary (``[|S|, D]`` float32, from the tied
+    embedding or the untied head) and ``sub_ids``; for an untied head also ``out_embed``
+    (``[V, D]``, every head row, for the copy term)."""
     sub_ids = jnp.asarray(np.asarray(sub_ids, np.int32))
-    emb = target_embed(target)
+    emb = {"embed": target.params["embed"][...]}
+    scale = _value(target.params, "embed_scale")
+    if scale is not None:
+        emb["embed_scale"] = scale
     if target.config.tie_word_embeddings:
-        head = jnp.take(emb, sub_ids, axis=0)
+        head = target_embed(target, sub_ids)
     else:
         w = target.params["lm_head"][...].astype(jnp.float32)
         scale = _value(target.params, "lm_head_scale")
         if scale is not None:
             w = llama.dequantize_int8(target.params["lm_head"][...], scale, 0)
         head = jnp.take(w, sub_ids, axis=1).T
-        return {"embed": emb, "head": jnp.asarray(head, jnp.float32), "sub_ids": sub_ids, "out_embed": w.T}
-    return {"embed": emb, "head": jnp.asarray(head, jnp.float32), "sub_ids": sub_ids}
+        return {**emb, "head": jnp.asarray(head, jnp.float32), "sub_ids": sub_ids, "out_embed": w.T}
+    return {**emb, "head": jnp.asarray(head, jnp.float32), "sub_ids": sub_ids}
 
 
 def quantize_params(params: dict) -> dict:
@@ -198,8 +209,8 @@ def quantize_params(params: dict) -> dict:
     ``fc`` (and ``fuse``), the block's four matrices (``w_qkv``, ``wo``, ``w_gate_up``, ``w_down``, stored
     ``[in, *out]``) and the sub-vocabulary head (``[|S|, D]``) become 8-bit codes with a
     float32 ``<name>_scale`` per block of 32 inputs (:func:`specjax.models.llama.quantize_int8`);
-    activations are quantized per row and block on the fly (:func:`specjax.models.llama.matmul`). Norms, biases, the copy term and the
-    embedding used for input lookups stay float32. It lets the drafter run in an int8
+    activations are quantized per row and block on the fly (:func:`specjax.models.llama.matmul`). Norms, biases and the copy
+    term stay float32; input lookups read the target's table in its own format (:func:`embed_rows`). It lets the drafter run in an int8
     target's format; on the reference CPU a γ = 1 draft call takes about as long as in
     float32 (≈ 2.8 ms: the shipped drafter's weights fit in the L3 cache). The drafter
     stays exact (q is still exactly what is sampled); only its guesses change slightly

@@ -251,18 +251,26 @@ def lm_head(graphdef, params, hidden: Float[Array, "... hidden"], cfg: ModelConf
     return logits if cap is None else jnp.tanh(logits / cap) * cap
 
 
-def embed_tokens(model, tokens, cfg: ModelConfig | None = None):
-    """Embedding rows of ``tokens [B, T]`` → float32 ``[B, T, D]`` (dequantized in int8; × √D in
-    float32 when ``cfg.scale_embeddings``, Gemma)."""
-    e = jnp.take(model.embed[...], tokens, axis=0)
+def embed_rows(table, scale, tokens) -> jax.Array:
+    """Rows ``tokens [...]`` of an embedding ``table [V, D]`` as float32 ``[..., D]``, reading only
+    those rows: a float table's rows converted, an int8 table's codes dequantized with their rows
+    of ``scale [2, V, D/32]`` (scales and offsets per block; None for a float table). The target's
+    lookups and a drafter's lookups into the target's table (no float32 copy of the table)."""
+    e = jnp.take(table, tokens, axis=0)
     if e.dtype != jnp.float32:
         # Without the barrier XLA hoists the convert above the gather and converts the
         # whole [V, D] table to float32 on every call.
         e = jax.lax.optimization_barrier(e)
     e = e.astype(jnp.float32)
-    scale = param_or_none(model, "embed_scale")  # int8: [2, V, D/32] scales and offsets per block
     if scale is not None:
         e = dequantize_int8(e, jnp.take(scale, tokens, axis=1), -1)
+    return e
+
+
+def embed_tokens(model, tokens, cfg: ModelConfig | None = None):
+    """Embedding rows of ``tokens [B, T]`` → float32 ``[B, T, D]`` (dequantized in int8; × √D in
+    float32 when ``cfg.scale_embeddings``, Gemma)."""
+    e = embed_rows(model.embed[...], param_or_none(model, "embed_scale"), tokens)
     if cfg is not None and cfg.scale_embeddings:
         e = e * jnp.float32(cfg.hidden_size ** 0.5)
     return e
