@@ -31,6 +31,7 @@ from specjax.runtime.results import GenerationResult, RowStats, host_result, row
 PROMPT_BUCKET = 32  # smallest prompt bucket; prompts pad to the next power of two ≥ this
 BUFFER_BUCKET = 64
 STOP_IDS_BUCKET = 8  # stop-id slots per row (EOS + stop token ids) pad to a multiple of this
+FIRST_CHUNK_ROUNDS = 1  # rounds of the first chunk of a streamed or stop-checked decode (the first text early)
 
 
 def round_up(n: int, size: int) -> int:
@@ -511,7 +512,8 @@ class Decoder:
         return self._finish(st, len(prompts), c, prefill_s, decode_s, cuts, eos)
 
     def _chunks(self, prog, st, rows: int, rounds_per_chunk: int, stop_fn=None, cuts=None):
-        """Run ``rounds_per_chunk`` rounds at a time until every row is done; yield
+        """Run ``rounds_per_chunk`` rounds at a time (the first chunk at most
+        :data:`FIRST_CHUNK_ROUNDS`: a streamed text starts one round after the prefill) until every row is done; yield
         ``(state, newly committed tokens per row, seconds)`` after each chunk. ``stop_fn`` (see
         :meth:`generate`) may end a row at k new tokens: ``cuts[row] = k`` is recorded, its
         tokens after k are never yielded, and the row is marked done on the device."""
@@ -519,8 +521,10 @@ class Decoder:
         hv = self._host(st)
         seen = np.asarray(hv.lengths).copy()
         plen = np.asarray(hv.prompt_lengths)
+        rounds = min(rounds_per_chunk, FIRST_CHUNK_ROUNDS)  # the first text soon after the prefill
         while True:
-            st, _, dt = self.run(prog, st, int(hv.round) + rounds_per_chunk)
+            st, _, dt = self.run(prog, st, int(hv.round) + rounds)
+            rounds = rounds_per_chunk
             hv = self._host(st)
             lengths, toks = np.asarray(hv.lengths), np.asarray(hv.tokens)
             newly, stopped = [], []
@@ -550,8 +554,9 @@ class Decoder:
         return dataclasses.replace(res, tokens=res.tokens[:n_rows], stats=res.stats[:n_rows], logprobs=lp)
 
     def stream(self, prompts, rounds_per_chunk: int = 8, **kw) -> Iterator[list[list[int]]]:
-        """Yield, per chunk of ``rounds_per_chunk`` rounds, each row's newly committed tokens
-        (one host sync per chunk, not per token).
+        """Yield, per chunk of ``rounds_per_chunk`` rounds (the first of at most
+        :data:`FIRST_CHUNK_ROUNDS`), each row's newly committed tokens (one host sync per chunk,
+        not per token).
 
         Raises:
           ValueError: ``rounds_per_chunk`` is not an integer >= 1 (0 would loop forever).
