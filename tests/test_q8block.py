@@ -257,3 +257,38 @@ def test_without_a_compiler_the_reference_is_used_with_one_note(tmp_path):
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
     notes = [line for line in r.stderr.splitlines() if line.startswith("specjax: note:")]
     assert len(notes) == 1 and "compiler" in notes[0], r.stderr[-2000:]
+
+
+def test_a_background_build_is_awaited_by_load(kernel, tmp_path):
+    """start_build() compiles on a thread in an empty cache; expected() says yes without waiting,
+    load() waits for the same build (one library, registered once), and the kernel is then the
+    numpy reference bitwise; without a compiler no thread starts."""
+    import subprocess
+    import sys
+
+    code = (
+        "import numpy as np, jax, os, sys\n"
+        "from specjax.models import q8\n"
+        "assert q8.start_build() and q8.expected()\n"
+        "assert q8._builder.is_alive()  # building: expected() did not wait\n"
+        "lib = q8.load()\n"
+        "assert lib is not None and q8.load() is lib and q8.available()\n"
+        "q8.join_build(); assert not q8.start_build()\n"
+        "assert len(os.listdir(os.path.join(os.environ['SPECJAX_CACHE_DIR'], 'kernels'))) == 1\n"
+        "rng = np.random.default_rng(0)\n"
+        "x = rng.standard_normal((2, 64)).astype(np.float32)\n"
+        "c = rng.integers(0, 256, (64, 48), dtype=np.uint8)\n"
+        "s = (rng.standard_normal((2, 2, 48)) * 0.01).astype(np.float32)\n"
+        "y = np.asarray(jax.jit(q8.block_matmul)(x, c, s))\n"
+        "assert np.array_equal(y.view(np.int32), q8.block_matmul_np(x, c, s).view(np.int32))\n"
+        "print('ok')\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(q8.__file__))))
+    env = dict(os.environ, SPECJAX_CACHE_DIR=str(tmp_path / "cache"),
+               PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+    env.update(PATH=str(tmp_path), SPECJAX_CACHE_DIR=str(tmp_path / "cache2"))
+    env.pop("CXX", None)
+    r = subprocess.run([sys.executable, "-c", "from specjax.models import q8\nprint(q8.start_build())"], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.stdout.strip() == "False", r.stderr[-2000:]

@@ -80,6 +80,8 @@ def main(argv=None) -> int:
         return 130
     finally:
         programs.disable()
+        if "specjax.models.q8" in sys.modules:
+            sys.modules["specjax.models.q8"].join_build()
 
 
 def _exit_now(status: int) -> None:

@@ -201,7 +201,7 @@ def predicted_format(formats: Sequence[str], model=None, host: dict | None = Non
     for backend, fmt, why in PREDICTED_FORMATS:
         if host.get("backend") != backend or fmt not in formats:
             continue
-        if fmt == "int8" and not (str(host.get("machine", "")).lower() in ("x86_64", "amd64") and q8.available()):
+        if fmt == "int8" and not (str(host.get("machine", "")).lower() in ("x86_64", "amd64") and q8.expected()):
             continue  # int8's speed is its CPU kernel's (the jnp reference is ~20x slower than float32)
         return fmt, f"predicted: {why}"
     return None

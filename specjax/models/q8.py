@@ -165,6 +165,45 @@ def _backend_note(backend: str) -> None:
     notes.note(f"the block int8 CPU kernel is not used on the {backend} backend; using the jnp reference")
 
 
+_builder: threading.Thread | None = None
+
+
+def start_build() -> bool:
+    """Build (when not yet in the cache) and load the kernel on a background thread, so a cold
+    start overlaps the compiler's ≈ 4–7 s with other work; :func:`load` waits for it. Only on a
+    host where :func:`buildable`; returns whether a thread was started (or one is running)."""
+    global _builder
+    if _builder is not None:
+        return _builder.is_alive()
+    if _load_once.cache_info().currsize or jax.default_backend() != "cpu" or not buildable():
+        return False
+    _builder = threading.Thread(target=_load, daemon=True, name="specjax-q8-build")
+    _builder.start()
+    return True
+
+
+def join_build() -> None:
+    """Wait for a :func:`start_build` thread (before the interpreter shuts down)."""
+    if _builder is not None:
+        _builder.join()
+
+
+def buildable() -> bool:
+    """Whether :func:`build` would compile here (x86-64 Linux, a C++ compiler, the source), without
+    building."""
+    return (platform.system() == "Linux" and platform.machine().lower() in ("x86_64", "amd64")
+            and _compiler() is not None and os.path.exists(SOURCE))
+
+
+def expected() -> bool:
+    """:func:`available`, except while a :func:`start_build` thread is still building: then whether
+    this host can build it (the build's outcome is not awaited; a failed build leaves int8 on the
+    jnp reference with one note, as :func:`available` says)."""
+    if _builder is not None and _builder.is_alive():
+        return jax.default_backend() == "cpu" and buildable()
+    return available()
+
+
 def available() -> bool:
     """Whether :func:`block_matmul` runs the kernel (built and loaded, default backend CPU). When
     not, one ``specjax: note:`` line on stderr says why (once per process)."""
