@@ -187,8 +187,8 @@ def open_gguf(path: str):
     check_complete(path)
     try:
         return HeaderReader(path)
-    except (ValueError, struct.error, UnicodeDecodeError, OverflowError, KeyError):
-        pass  # the library's reader: it parses more, or says what is wrong
+    except (ValueError, struct.error, UnicodeDecodeError, OverflowError, KeyError, ImportError):
+        pass  # the library's reader: it parses more (or an older gguf lacks a name used here), or says what is wrong
     try:
         return gguf.GGUFReader(path)
     except Exception as e:  # gguf raises ValueError/struct errors on bad files
