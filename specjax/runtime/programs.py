@@ -65,7 +65,7 @@ SUBDIR = "specjax-programs"
 RECENT = "recent.json"
 
 _dir: str | None = None
-_prefetched: dict[str, concurrent.futures.Future] = {}  # key -> (compiled, out_tree) or None
+_prefetched: dict[str, concurrent.futures.Future] = {}  # key -> (compiled, out_tree, specs, donated) or None
 _threads: list[threading.Thread] = []
 _used: list[str] = []  # keys this process compiled or took, in order
 
