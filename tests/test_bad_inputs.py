@@ -847,3 +847,34 @@ def test_serve_without_its_extra_names_both_installs(monkeypatch, capsys):
     monkeypatch.setattr(serve, "serve_extra_installed", lambda: False)
     one_line_error(capsys, cli.main(["serve"]), ['pip install -e ".[serve]" in a source checkout',
                                                  'pip install "specjax[serve]"'])
+
+
+@pytest.mark.parametrize("after", [0.2, 1.0, 2.5])
+def test_ctrl_c_while_importing_exits_130(tmp_path, after):
+    """Ctrl+C in the first seconds of the `specjax` command (importing jax; turn 18's new-user pass:
+    a traceback at 2 s, and at 1–3 s a KeyboardInterrupt swallowed by a JAX gc callback, the run going
+    on to exit 0): "specjax: interrupted", exit status 130, no traceback."""
+    import signal
+    import subprocess
+    import time
+
+    script = tmp_path / "specjax"  # the console script's name: the handler is installed from the first import
+    script.write_text(f"#!{sys.executable}\nimport sys\nfrom specjax.cli import main\nsys.exit(main())\n")
+    script.chmod(0o755)
+    env = dict(os.environ, SPECJAX_NO_CACHE="1", JAX_PLATFORMS="cpu", SPECJAX_NO_PROGRESS="1")
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        p = subprocess.Popen([str(script), "generate", "--max-new-tokens", "4", "hi"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, env=env)
+    finally:
+        signal.signal(signal.SIGINT, before)
+    try:
+        time.sleep(after)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=300)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    err = err.decode()
+    assert p.returncode == 130, (p.returncode, err[-2000:])
+    assert err.rstrip().endswith("specjax: interrupted") and "Traceback" not in err, err[-2000:]
