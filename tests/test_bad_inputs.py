@@ -726,6 +726,9 @@ def test_plot_never_overwrites_a_file_without_force(capsys, tmp_path):
     assert mine.read_text() == '{"mine": 1}'
     assert cli.main(["analyze", "--alpha", "0.7", "--c", "0.1", "--plot", str(mine), "--force"]) == 0
     assert mine.read_bytes()[:4] == b"\x89PNG"
+    for extra in ([], ["--force"]):  # a directory: named as one, not sent to --force (turn 18's new-user pass)
+        one_line_error(capsys, cli.main(["analyze", "--alpha", "0.7", "--c", "0.1", "--plot", str(tmp_path), *extra]),
+                       ["--plot", "is a directory", "file name"])
 
 
 def test_distill_resume_without_a_run_writes_nothing(f, no_load, capsys, tmp_path):

@@ -309,6 +309,8 @@ def cmd_analyze(args) -> int:
         from specjax.eval.bench import check_writable
 
         check_writable(args.plot, "--plot", create=False)
+        if os.path.isdir(args.plot):  # before the --force hint: --force cannot overwrite a directory
+            raise _usage(f"--plot {args.plot} is a directory; give a file name (e.g. {os.path.join(args.plot, 'analyze.png')})")
         if os.path.exists(args.plot) and not args.force:
             raise _usage(f"--plot {args.plot} exists; choose a new file name or pass --force to overwrite it")
     if numbers:
