@@ -244,6 +244,16 @@ def test_missing_tensor(tiny_dir, tmp_path):
     assert "missing" in msg and "layers.1.wk" in msg and "1 missing" in msg
 
 
+def test_config_without_model_type(tiny_dir, tmp_path):
+    """A config.json without ``model_type`` (e.g. ``{}``; turn 18's new-user pass got "model_type=None
+    is not supported") names the file and the missing key."""
+    bad = _copy_ckpt(tiny_dir, str(tmp_path / "bad"), edit_config=lambda c: c.pop("model_type"))
+    with pytest.raises(CheckpointError) as e:
+        load_model(bad)
+    msg = _one_line(e)
+    assert "config.json" in msg and "missing key 'model_type'" in msg
+
+
 def test_wrong_shape(tiny_dir, tmp_path):
     def edit(t):
         w = t["model.layers.0.mlp.up_proj.weight"]

@@ -169,6 +169,9 @@ def read_hf_config(cfg_file: str) -> ModelConfig:
                               "fix the file or re-download the checkpoint") from None
     if not isinstance(d, dict):
         raise CheckpointError(f"{cfg_file}: expected a JSON object (a Hugging Face config), got {type(d).__name__}")
+    if "model_type" not in d:
+        raise CheckpointError(f"{cfg_file}: missing key 'model_type'; not a complete Hugging Face config (re-download "
+                              "the checkpoint or add the model's config.json)")
     try:
         cfg = ModelConfig.from_hf_config(d)
         if cfg.multimodal:
