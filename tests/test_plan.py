@@ -141,6 +141,18 @@ def test_70b_bfloat16_refused_from_the_weight_table(capsys):
     assert "16.43 GiB" in line
 
 
+def test_a_model_axis_that_does_not_divide_is_said_first(capsys, tiny_json):
+    """``--mesh model=3`` on 8 heads / 2 KV heads (turn 18's new-user pass: Llama-3.1-8B on model=3
+    compiled 53 s and then only said "use more memory"): the replication warning comes first, before
+    the refusal or any compile."""
+    rc = cli.main(["plan", "--model", tiny_json, "--mesh", "data=1,model=3", "--batch", "2", "--max-len", "192",
+                   "--device-memory", "1KiB"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 2, err
+    assert "not divisible by model=3" in err[0] and "attention heads (8" in err[0], err
+    assert err[1].startswith("specjax: error:") and "does not fit" in err[1], err
+
+
 def test_too_small_memory_suggests_shorter_context(capsys, tiny_json):
     """Weights fit but weights + KV cache do not: the line suggests a shorter context or a smaller batch."""
     line = one_line_error(capsys, cli.main(["plan", "--model", tiny_json, "--batch", "8", "--max-len", "512",

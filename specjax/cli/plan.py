@@ -126,6 +126,10 @@ def cmd_plan(args) -> int:
     from specjax.runtime.progress import Progress, phase
 
     req, on_mesh = plan_request(args)
+    if req.model > 1:  # said before anything is compiled: a model axis that does not divide keeps whole copies
+        from specjax.runtime import sharding
+
+        sharding.warn_replicated(req.cfg, req.model, name=req.name)
     line = plan.refusal(req)  # weights + KV cache (analytic) do not fit: nothing to compile, no devices needed
     if line is not None:
         raise UsageError(line)
