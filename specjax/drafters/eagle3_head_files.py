@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.drafters.eagle3_head import ARCHITECTURE, Eagle3HeadConfig, Eagle3HeadDrafter
+from specjax.drafters.eagle_params import target_table
 from specjax.models import llama
 from specjax.models.config import CheckpointError, ModelConfig
 
@@ -167,10 +168,8 @@ def head_params(tensors: dict, target, path: str) -> dict:
     p["t_ids"] = jnp.asarray(t_ids.astype(np.int32))
     if "embed_tokens.weight" in tensors:
         p["embed"] = jnp.asarray(np.asarray(tensors["embed_tokens.weight"], np.float32))
-    else:  # the target's table as it is stored (int8: codes and scales; rows read by embed_rows)
-        p["embed"] = target.params["embed"][...]
-        if "embed_scale" in target.params:
-            p["embed_scale"] = target.params["embed_scale"][...]
+    else:  # the target's table as it is stored (int8: codes and scales; rows read by llama.embed_rows)
+        p.update(target_table(target))
     return p
 
 

@@ -180,6 +180,16 @@ def embed_rows(frozen: dict, tokens) -> jax.Array:
     return llama.embed_rows(frozen["embed"], frozen.get("embed_scale"), tokens)
 
 
+def target_table(target) -> dict:
+    """The target's embedding table as it is stored, for :func:`embed_rows`: ``{"embed": [V, D]}``
+    (plus ``"embed_scale"`` for int8); the target's own arrays, no copy."""
+    table = {"embed": target.params["embed"][...]}
+    scale = _value(target.params, "embed_scale")
+    if scale is not None:
+        table["embed_scale"] = scale
+    return table
+
+
 def frozen_params(target, sub_ids) -> dict:
     """The parts taken from the target: its embedding table as it is stored (``embed`` ``[V, D]``,
     with ``embed_scale`` for int8: the same arrays, no copy; rows are read through
@@ -187,10 +197,7 @@ def frozen_params(target, sub_ids) -> dict:
     embedding or the untied head) and ``sub_ids``; for an untied head also ``out_embed``
     (``[V, D]``, every head row, for the copy term)."""
     sub_ids = jnp.asarray(np.asarray(sub_ids, np.int32))
-    emb = {"embed": target.params["embed"][...]}
-    scale = _value(target.params, "embed_scale")
-    if scale is not None:
-        emb["embed_scale"] = scale
+    emb = target_table(target)
     if target.config.tie_word_embeddings:
         head = target_embed(target, sub_ids)
     else:
