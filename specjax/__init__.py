@@ -11,32 +11,14 @@ Lower level: :mod:`specjax.runtime.decoder` (token ids in, token ids out), :mod:
 """
 
 import os as _os
-import signal as _signal
 import sys as _sys
 
-
-def _interrupted_exit(signum=None, frame=None):
-    """The command line's Ctrl+C: keep what was written (flush), say ``specjax: interrupted``, end
-    with status 130 at once (:func:`os._exit`: no interpreter shutdown under running XLA threads,
-    and no KeyboardInterrupt for JAX's callbacks to swallow)."""
-    for stream in (_sys.stdout, _sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError, RuntimeError):  # a closed pipe, or a write the signal interrupted
-            pass
-    try:
-        _os.write(2, b"specjax: interrupted\n")
-    except OSError:
-        pass
-    _os._exit(130)
-
+from specjax.core import interrupt as _interrupt
 
 # Run as the `specjax` command, Ctrl+C ends the process from the first import on (importing jax takes
-# seconds; a KeyboardInterrupt raised there was a traceback, or was swallowed by a JAX gc callback and
-# the run went on). A library import keeps the interpreter's handler; an ignored SIGINT stays ignored.
-if _os.path.basename(_sys.argv[0] if _sys.argv else "") == "specjax" \
-        and _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
-    _signal.signal(_signal.SIGINT, _interrupted_exit)
+# seconds). A library import keeps the interpreter's handler; an ignored SIGINT stays ignored.
+if _os.path.basename(_sys.argv[0] if _sys.argv else "") == "specjax":
+    _interrupt.install()
 
 from importlib import metadata as _metadata  # noqa: E402
 

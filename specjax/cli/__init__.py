@@ -10,11 +10,9 @@ how to fix it) and exit with status 2, without a traceback.
 from __future__ import annotations
 
 import os
-import signal
 import sys
-import threading
 
-import specjax
+from specjax.core import interrupt
 from specjax.cli import analyze, bench, distill, generate, plan, serve
 from specjax.cli.common import (  # noqa: F401  (the shared helpers, for scripts and tests)
     UsageError, Parser, user_errors, add_model_args, collect_prompts, describe_error, enable_compilation_cache,
@@ -50,9 +48,8 @@ def main(argv=None) -> int:
     process then ends at once with :func:`os._exit`: a compilation or computation XLA is still
     running on its own threads would otherwise crash the interpreter's shutdown (SIGSEGV).
     """
-    if argv is None and threading.current_thread() is threading.main_thread() \
-            and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        signal.signal(signal.SIGINT, specjax._interrupted_exit)  # Ctrl+C: exit 130 at once, wherever it lands
+    if argv is None:
+        interrupt.install()  # Ctrl+C: exit 130 at once, wherever it lands
     parser = build_parser()
     try:
         args, extra = parser.parse_known_args(argv)
