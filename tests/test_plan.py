@@ -153,6 +153,23 @@ def test_a_model_axis_that_does_not_divide_is_said_first(capsys, tiny_json):
     assert err[1].startswith("specjax: error:") and "does not fit" in err[1], err
 
 
+def test_a_non_dividing_model_axis_is_told_one_that_divides(capsys):
+    """Llama-3.1-8B on ``model=3`` × 12 GiB (turn 18's new-user pass: the line said only "use more
+    memory", while model=4 fits): the refusal names a model axis that divides the heads, KV heads and
+    MLP, with its weight bytes; the order of sizes tried."""
+    from specjax.eval import plan
+
+    rc = cli.main(["plan", "--model", "llama-3.1-8b", "--mesh", "data=1,model=3", "--device-memory", "12GiB"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and "not divisible by model=3" in err[0], err
+    assert "does not fit" in err[-1] and "--mesh data=1,model=4 (3.74 GiB of weights per device)" in err[-1], err
+    assert "more memory" not in err[-1], err
+    cfg = plan.model_shape("llama-3.1-8b")[1]  # 32 heads, 8 KV heads: 2, 4, 8 divide
+    assert plan.model_axis_sizes(cfg, 3) == [4, 8, 2, 16, 32, 64]
+    assert plan.model_axis_sizes(cfg, 2) == [4, 8, 16, 32, 64]
+    assert plan.model_axis_sizes(cfg, 8) == [16, 32, 64]
+
+
 def test_too_small_memory_suggests_shorter_context(capsys, tiny_json):
     """Weights fit but weights + KV cache do not: the line suggests a shorter context or a smaller batch."""
     line = one_line_error(capsys, cli.main(["plan", "--model", tiny_json, "--batch", "8", "--max-len", "512",

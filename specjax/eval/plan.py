@@ -382,19 +382,31 @@ def fmt_bytes(n: float) -> str:
     return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / 2 ** 20:.1f} MiB"
 
 
+def model_axis_sizes(cfg: ModelConfig, above: int = 1, limit: int = 64) -> list[int]:
+    """``model`` axis sizes to suggest, in the order to try them: first those in ``(above, limit]`` that
+    divide the attention heads, KV heads and MLP width of ``cfg`` (nothing replicated but what is meant
+    to be), smallest first; when ``above`` itself does not divide them, then the dividing sizes below it
+    (fewer devices, each holding a shard instead of whole copies); last the powers of two above
+    ``above`` that do not divide (their replicated dimensions are counted in full)."""
+    def divides(m):
+        return not (cfg.num_heads % m or cfg.num_kv_heads % m or cfg.intermediate_size % m)
+
+    ok = [m for m in range(2, limit + 1) if m != above and divides(m)]
+    out = [m for m in ok if m > above] + ([] if divides(above) else [m for m in reversed(ok) if m < above])
+    return out + [2 ** k for k in range(1, limit.bit_length()) if above < 2 ** k <= limit and 2 ** k not in out]
+
+
 def alternatives(req: PlanRequest, need_extra: float = 0.0) -> list[str]:
     """What would fit ``req.device_memory`` (analytic: weights + KV cache + ``need_extra`` bytes per
-    device): a larger ``model`` axis (doubling, up to 64), int8 weights on this mesh, a shorter
+    device): a larger ``model`` axis that divides the heads, KV heads and MLP (:func:`model_axis_sizes`), int8 weights on this mesh, a shorter
     context, a smaller batch. Each as the flag to change and why."""
     mem, out = req.device_memory, []
     fits = lambda a: a["weights"] + a["kv_cache"] + need_extra <= mem  # noqa: E731
-    m = req.model * 2
-    while m <= 64 * req.model and m <= 64:
+    for m in model_axis_sizes(req.cfg, above=req.model):
         a = analytic(req, model=m)
         if fits(a):
             out.append(f"--mesh data={req.data},model={m} ({fmt_bytes(a['weights'])} of weights per device)")
             break
-        m *= 2
     if llama.weight_format(req.dtype) != "int8":
         a = analytic(req, fmt="int8")
         if fits(a):
