@@ -98,8 +98,8 @@ class GenerationRequest:
     """One validated generation request (frozen).
 
     kind: ``"chat"`` or ``"completion"``. prompt_ids: the prompt's token ids (chat: rendered with
-    the chat template). max_new_tokens: ≥ 1 (the engine caps it to the context). sampling: the
-    request's :class:`~specjax.core.sampling.Sampling`. seed: an integer in [0, 2**64) or ``None``
+    the chat template). max_new_tokens: ≥ 1 (a request's own is checked against the context, the
+    default capped to it). sampling: the request's :class:`~specjax.core.sampling.Sampling`. seed: an integer in [0, 2**64) or ``None``
     (the engine draws one). stop: stop strings (the text is cut before the first). stop_token_ids:
     more ids that end the request. logprobs: ``None`` (off) or N alternatives per token (0..20).
     stream, include_usage: server-sent events, and a usage chunk at the end. speculative: ``False``
@@ -273,6 +273,16 @@ def _check_prompt_length(ids, d: ServeDefaults, param: str) -> None:
                            "at least one new token); shorten the prompt", param=param, code="context_length_exceeded")
 
 
+def _check_total_length(ids, max_new: int | None, d: ServeDefaults, param: str) -> None:
+    """A ``max_tokens`` the request gave that does not fit the context beside its prompt is a 400 (as
+    vLLM and OpenAI answer), said before any work; the default (``--max-new-tokens``) is capped instead."""
+    if max_new is not None and len(ids) + max_new > d.context_limit:
+        raise RequestError(f"the context holds {d.context_limit} tokens, but this request asks for "
+                           f"{len(ids) + max_new} ({len(ids)} in the prompt, {max_new} in '{param}'); use "
+                           f"'{param}' ≤ {d.context_limit - len(ids)} or a shorter prompt", param=param,
+                           code="context_length_exceeded")
+
+
 def _common(body: dict, d: ServeDefaults, kind: str, ids: tuple, max_new: int, logprobs: int | None) -> GenerationRequest:
     stream = _bool(body, "stream", False)
     opts = body.get("stream_options") or {}
@@ -291,7 +301,8 @@ def parse_completion(body: dict, tokenizer, d: ServeDefaults) -> GenerationReque
 
     Raises:
       RequestError: any field of the wrong type or out of range, an unknown or unsupported field,
-        several prompts, an empty prompt or one longer than the context."""
+        several prompts, an empty prompt or one longer than the context, a ``max_tokens`` that does not fit
+        the context beside the prompt (``context_length_exceeded``)."""
     _check_fields(body, COMPLETION_FIELDS, "/v1/completions")
     _check_model(body, d)
     p = body.get("prompt")
@@ -309,7 +320,9 @@ def parse_completion(body: dict, tokenizer, d: ServeDefaults) -> GenerationReque
     else:
         raise RequestError(f"'prompt' must be a string (or a list of token ids), got {p!r}"[:300], param="prompt")
     _check_prompt_length(ids, d, "prompt")
-    max_new = _int(body, "max_tokens", 1, default=d.max_new_tokens)
+    max_new = _int(body, "max_tokens", 1)
+    _check_total_length(ids, max_new, d, "max_tokens")
+    max_new = d.max_new_tokens if max_new is None else max_new
     logprobs = _int(body, "logprobs", 0, d.max_logprobs)
     return _common(body, d, "completion", ids, max_new, logprobs)
 
@@ -387,6 +400,7 @@ def parse_chat(body: dict, tokenizer, d: ServeDefaults) -> GenerationRequest:
     if a is not None and b is not None and a != b:
         raise RequestError(f"'max_completion_tokens' ({a}) and 'max_tokens' ({b}) differ; give one",
                            param="max_completion_tokens")
+    _check_total_length(ids, a if a is not None else b, d, "max_completion_tokens" if a is not None else "max_tokens")
     max_new = a if a is not None else b if b is not None else d.max_new_tokens
     want = _bool(body, "logprobs", False)
     top = _int(body, "top_logprobs", 0, d.max_logprobs)
