@@ -379,6 +379,22 @@ def test_fused_features_ttt_learns_and_time_budget_resume_is_bitwise(tiny_setup)
                           "--data-dir", data, "--steps", "1", "--feature-layers", "1"))
 
 
+def test_feature_layers_outside_the_target_leave_nothing_behind(tiny_setup):
+    """``--feature-layers 99`` on a 2-block target (checked after the load): one error, and the run's
+    ``run.json`` and the directory it created are gone, so the corrected command starts afresh
+    (new-user pass: a later run said "holds only the run.json of a run that never started")."""
+    from specjax.train import distill
+
+    out = tiny_setup / "fl_bad"
+    with pytest.raises(ValueError, match=r"feature layers \[99\] are not blocks of a 2-block model"):
+        distill.run(_args(tiny_setup, out, "--steps", "0", "--feature-layers", "0,99"))
+    assert not out.exists()
+    out.mkdir()  # a directory the user made stays, empty as it was
+    with pytest.raises(ValueError, match="not blocks"):
+        distill.run(_args(tiny_setup, out, "--steps", "0", "--feature-layers", "99"))
+    assert out.is_dir() and not list(out.iterdir())
+
+
 def test_evaluate_without_eval_sequences_reports_no_data():
     from specjax.train.loop import evaluate
 

@@ -167,6 +167,7 @@ def open_run(args, keys=RUN_KEYS) -> tuple[str, argparse.Namespace]:
         return out, s
     if not_started(out):
         log(f"{out} holds only the run.json of a run that never started; starting it anew")
+    (_MADE_HERE.discard if os.path.exists(out) else _MADE_HERE.add)(out)
     check_out_dir(out)
     os.makedirs(out, exist_ok=True)
     with open(run_file + ".tmp", "w") as f:
@@ -175,17 +176,41 @@ def open_run(args, keys=RUN_KEYS) -> tuple[str, argparse.Namespace]:
     return out, s
 
 
+_MADE_HERE: set[str] = set()  # run directories this process created (open_run), removed again if it never starts
+
+
+def _forget_unstarted(out: str) -> None:
+    """After an error in the checks that need the target: a run that holds only its ``run.json`` is
+    removed again (the file, and the directory when this process created it and it is empty), so the
+    same command, corrected, starts afresh without ``--resume``."""
+    if not_started(out):
+        os.remove(os.path.join(out, "run.json"))
+        if out in _MADE_HERE and not os.listdir(out):
+            os.rmdir(out)
+
+
 def load_run(opened: tuple[str, argparse.Namespace], args) -> DistillRun:
-    """Load the target, the prompts and the split (``--split`` or :func:`make_split`)."""
+    """Load the target, the prompts and the split (``--split`` or :func:`make_split`), and check what
+    needs the target (``--feature-layers`` against its blocks); on such an error a new run's
+    ``run.json`` is removed again.
+
+    Raises:
+      DistillError: a split that is not disjoint, feature layers that are not blocks of the target."""
+    from specjax.drafters import eagle
     from specjax.io.loading import load_model
 
     out, s = opened
     target = load_model(s.model, dtype="float32")
-    records = read_records(s.prompts)
-    split = read_split(s.split) if s.split else make_split(records, seed=0)
-    tr_ids, ev_ids = set(split["train"]), set(split["eval"])
-    if tr_ids & ev_ids:
-        raise DistillError(f"the split is not disjoint: {sorted(tr_ids & ev_ids)[:5]} in both")
+    try:
+        eagle.resolve_feature_layers(s.feature_layers, target.config)
+        records = read_records(s.prompts)
+        split = read_split(s.split) if s.split else make_split(records, seed=0)
+        tr_ids, ev_ids = set(split["train"]), set(split["eval"])
+        if tr_ids & ev_ids:
+            raise DistillError(f"the split is not disjoint: {sorted(tr_ids & ev_ids)[:5]} in both")
+    except (DistillError, ValueError):
+        _forget_unstarted(out)
+        raise
     chat = bool(s.chat) and target.tokenizer is not None and target.tokenizer.chat_template is not None
     return DistillRun(s, out, target, records, tr_ids, ev_ids, chat)
 
