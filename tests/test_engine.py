@@ -92,7 +92,8 @@ def _alone(dec, r):
 
 @pytest.mark.parametrize("setup", ["ar", "ngram", "model", "eagle3-tree"])
 def test_requests_in_slots_equal_their_alone_runs(setup, monkeypatch):
-    """3 slots, 7 requests arriving while others run: every request's tokens, finish reason and
+    """3 slots, 7 requests arriving while others run (chunks on 1, 2 and 3 rows, requests moved down
+    to the lowest slots as others finish): every request's tokens, finish reason and
     counters equal ``Decoder.generate`` of it alone with ``request_keys(seed, 1)`` (greedy and
     sampled; a row's draws use its own round numbers, not the batch's); log-probabilities equal.
     The slots hold 320 tokens and attend through views of 64 and 128 slots (``KV_VIEW_MIN`` 64),
@@ -124,6 +125,9 @@ def test_requests_in_slots_equal_their_alone_runs(setup, monkeypatch):
             assert [[i for i, _ in x["top"]] for x in lps] == [[i for i, _ in x["top"]] for x in ref.logprobs[0]]
     if setup != "ar":  # speculation happened: drafts verified (and, but for the n-gram drafter on random text, accepted)
         assert drafted > 0 and (accepted > 0 or setup == "ngram"), (drafted, accepted)
+    # chunks ran on 1, 2 and 3 rows (the ladder), and requests were moved down to the lowest slots
+    assert eng.ladder == (1, 2, 3) and {1, 2} <= set(eng.chunks_by_rows), eng.chunks_by_rows
+    assert eng.rows_moved > 0
 
 
 def test_cancellation_frees_the_slot_and_nothing_recompiles():

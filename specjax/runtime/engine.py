@@ -108,7 +108,8 @@ class _Running:
 @dataclasses.dataclass
 class _Admitting:
     """A request whose prompt (longer than one prefill chunk) is prefilled one chunk per step
-    into its own one-row cache before it joins its reserved slot."""
+    into its own one-row cache before it joins a slot (the lowest free one then; ``slot`` is the one
+    free when it began, kept free: nothing else is admitted meanwhile)."""
     rid: int
     req: EngineRequest
     seed: int
@@ -143,6 +144,39 @@ def set_speculate(state, speculate):
     return dataclasses.replace(state, speculate=speculate)
 
 
+def permute_rows(state, perm):
+    """``state`` with its rows reordered: row ``i`` of the result is row ``perm[i]`` (``perm [B]``
+    int32, a permutation); the scalar ``round`` stays. A row's draws do not depend on its slot
+    (``keys`` and ``first_round`` move with it), so its tokens do not change."""
+    return jax.tree_util.tree_map(lambda x: x if jnp.ndim(x) == 0 else jnp.take(x, perm, axis=0), state)
+
+
+def head_rows(state, rows: int):
+    """The first ``rows`` rows of ``state`` (a state of ``rows`` rows; scalars kept)."""
+    return jax.tree_util.tree_map(lambda x: x if jnp.ndim(x) == 0 else x[:rows], state)
+
+
+def put_head_rows(state, head):
+    """``state`` with its first rows replaced by ``head`` (a state of fewer rows) and its scalars
+    (``round``) taken from ``head``."""
+    return jax.tree_util.tree_map(
+        lambda big, small: small if jnp.ndim(big) == 0 else jax.lax.dynamic_update_slice_in_dim(big, small, 0, axis=0),
+        state, head)
+
+
+def row_ladder(slots: int, data: int = 1) -> tuple[int, ...]:
+    """The row counts a chunk of rounds may run on: ``data · 2^k`` below ``slots``, then ``slots``
+    (``data``: the mesh's data axis, 1 off a mesh). Each is its own program (compiled once)."""
+    out, n = [], int(data)
+    while n < slots:
+        out.append(n)
+        n *= 2
+    return (*out, int(slots))
+
+
+_permute_jit = jax.jit(permute_rows, donate_argnums=0)
+_head_jit = jax.jit(head_rows, static_argnums=1)
+_put_head_jit = jax.jit(put_head_rows, donate_argnums=0)
 _insert_jit = jax.jit(insert_row, donate_argnums=0)
 _end_jit = jax.jit(end_rows, donate_argnums=0)
 _speculate_jit = jax.jit(set_speculate, donate_argnums=0)
@@ -174,9 +208,18 @@ class Engine:
     ``"always"`` (default) — greedy rows speculate unless ``spec_max_running`` is given and more
     than that many requests run; ``"auto"`` — each chunk whose rows may switch runs the program
     measured faster at its attention view (:class:`~specjax.runtime.spec_policy.AutoSpeculation`:
-    seconds per round of each program and τ, re-measured now and then). On one device every program
-    computes all slots, so a round's cost does not depend on the occupancy; the tokens a
-    speculative round commits depend on the requests, which is what the measurement follows.
+    seconds per round of each program and τ, re-measured now and then, per row count and view).
+
+    Programs sized to the occupancy (``ladder``, default on; off a mesh): every program computes all
+    of its rows, running or free, so a chunk runs on the first ``b`` slots only, ``b`` the smallest of
+    :func:`row_ladder` (1, 2, 4, …, ``slots``) that holds the running requests — one client is not
+    charged for eight rows. Requests are kept in the lowest slots (an admission takes the lowest
+    free one; a request beyond ``b`` moves down, :func:`permute_rows`, its tokens unchanged: its
+    draws follow its key and its own rounds, never its slot). Each row count is its own program
+    (:meth:`warmup` compiles 1 and ``slots``; the others at first use, then from the cache). In
+    float32 a request may switch between the one-row and the many-row programs as others come and
+    go (docs/design.md "Batch invariance": float32 dots of one row and of ≥ 2 rows may differ at
+    near-ties); bfloat16 and int8 are exact either way.
 
     Thread safety: :meth:`submit` and :meth:`cancel` may be called from any thread; :meth:`step`
     from one thread only.
@@ -189,7 +232,7 @@ class Engine:
 
     def __init__(self, decoder: Decoder, slots: int = 8, max_context: int | None = None,
                  rounds_per_chunk: int = 4, max_logprobs: int | None = 20, spec_max_running: int | None = None,
-                 speculation: str = "always"):
+                 speculation: str = "always", ladder: bool = True):
         _check_int("slots", slots, 1)
         if decoder.mesh is not None:
             from specjax.runtime.sharding import DATA
@@ -231,6 +274,10 @@ class Engine:
         self._state = None
         self._shardings = None  # on a mesh: the state's shardings (_placed)
         self._speculating = None  # the running rows' switches last set by _policy
+        # chunks run on the fewest rows that hold the running requests (off a mesh; on one, every slot)
+        self.ladder = row_ladder(self.slots) if ladder and decoder.mesh is None else (self.slots,)
+        self.chunks_by_rows: collections.Counter = collections.Counter()  # chunks run per row count
+        self.rows_moved = 0  # requests moved down by _compact
 
     # ---- requests (any thread)
     def submit(self, req: EngineRequest) -> int:
@@ -295,14 +342,16 @@ class Engine:
     def warmup(self, prompt_tokens: int = 512) -> float:
         """Compile (and run once, on a dummy prompt) the prefill of every prompt bucket up to
         ``prompt_tokens`` (capped to the context), the insertion, ending and switching of a row, and
-        the chunk of rounds (speculative and plain) at every attention view; returns the seconds.
-        Longer prompt buckets compile at their first request."""
+        the chunk of rounds (speculative and plain) at every attention view, on one row and on every
+        slot (:attr:`ladder`'s ends); returns the seconds. Longer prompt buckets and the ladder's
+        other row counts compile at their first use."""
         t0 = time.perf_counter()
         st = self._ensure_state()
-        args = self.decoder._run_args(st, 0)
-        for prog in (self.prog, self._plain):
-            for v in kv_views(self.prog.buffer_len) + [None] if prog is not None else []:  # every view's program
-                self.decoder._get("run", dataclasses.replace(prog, kv_view=v), args)
+        for rows in sorted({self.ladder[0], self.slots}):  # the row counts of one request and of a full house
+            args = self.decoder._run_args(st if rows == self.slots else _head_jit(st, rows), 0)
+            for prog in (self.prog, self._plain):
+                for v in kv_views(self.prog.buffer_len) + [None] if prog is not None else []:  # every view's program
+                    self.decoder._get("run", dataclasses.replace(prog, kv_view=v), args)
         p, row = self.decoder.prompt_bucket, None
         while p <= min(int(prompt_tokens), self.context_limit - 1):
             row = self._row_state([0] * p, 1, 0, Sampling(), (), True)
@@ -352,14 +401,42 @@ class Engine:
             self._shardings = sharding.state_shardings(self.prog, st, self.decoder.mesh)
         return jax.device_put(st, self._shardings)
 
-    def _run_chunk(self, st, rounds: int, plain: bool = False):
-        """``rounds`` rounds over every slot (:meth:`Decoder.run`: its attention views follow the
-        longest running row, so short requests do not pay for the context the slots are sized to);
-        ``plain``: one-token target calls (:func:`~specjax.runtime.loop._plain_round`), for chunks
-        in which no running row speculates. Returns ``(state, decode seconds)``."""
+    def _rows(self) -> int:
+        """The row count the next chunk runs on: the smallest of :attr:`ladder` holding the running requests."""
+        n = max(self._slots) + 1 if self._slots else 1
+        return next(b for b in self.ladder if b >= len(self._slots) and (b >= n or b == self.slots))
+
+    def _compact(self, st):
+        """Move running requests beyond the smallest ladder row count that holds them all into the
+        free slots below it (one permutation of every row); returns the state."""
+        b = next(b for b in self.ladder if b >= len(self._slots))
+        high = sorted(s for s in self._slots if s >= b)
+        if not high:
+            return st
+        low = [s for s in range(b) if s not in self._slots][: len(high)]
+        perm = np.arange(self.slots, dtype=np.int32)
+        for src, dst in zip(high, low):
+            perm[dst], perm[src] = src, dst
+            self._slots[dst] = self._slots.pop(src)
+            self.rows_moved += 1
+        if self._speculating is not None:
+            self._speculating = self._speculating[perm]
+        return self._placed(_permute_jit(st, jax.device_put(perm)))
+
+    def _run_chunk(self, st, rounds: int, plain: bool = False, rows: int | None = None):
+        """``rounds`` rounds over the first ``rows`` slots (default all; :meth:`Decoder.run`: its
+        attention views follow the longest running row, so short requests do not pay for the context
+        the slots are sized to); ``plain``: one-token target calls
+        (:func:`~specjax.runtime.loop._plain_round`), for chunks in which no running row speculates.
+        Returns ``(state, decode seconds)``."""
         prog = self._plain if plain and self._plain is not None else self.prog
-        st, _, seconds = self.decoder.run(prog, st, int(np.asarray(st.round)) + rounds)
-        return st, seconds
+        limit = int(np.asarray(st.round)) + rounds
+        self.chunks_by_rows[rows or self.slots] += 1
+        if rows is None or rows == self.slots:
+            st, _, seconds = self.decoder.run(prog, st, limit)
+            return st, seconds
+        head, _, seconds = self.decoder.run(prog, _head_jit(st, rows), limit)
+        return _put_head_jit(st, head), seconds
 
     def step(self) -> list[Update]:
         """Cancel, admit, run one chunk of rounds, report (see the module docstring)."""
@@ -381,9 +458,11 @@ class Engine:
             st = self._placed(_end_jit(st, jax.device_put(mask)))
         st = self._admit(st)
         if any(s not in ending for s in self._slots):
-            st, plain, view = self._policy(st)
+            st = self._compact(st) if not ending else st
+            rows = self._rows()
+            st, plain, view = self._policy(st, rows)
             before = None if view is _PINNED else self._counters(st)
-            st, seconds = self._run_chunk(st, self.rounds_per_chunk, plain)
+            st, seconds = self._run_chunk(st, self.rounds_per_chunk, plain, rows)
             if before is not None:  # the auto policy's measurement (its rows could switch)
                 rows = list(self._slots)
                 (l0, c0, r0), (l1, c1, r1) = before, self._counters(st)
@@ -453,14 +532,17 @@ class Engine:
         self._admitting = None
         row = self._row_state(list(a.req.prompt), a.req.max_new_tokens, a.seed, a.req.sampling,
                               a.req.stop_token_ids, a.req.ignore_eos, forward=(a.hidden, a.cache))
-        return self._insert(st, row, a.slot, a.rid, a.req, a.seed)
+        slot = min(s for s in range(self.slots) if s not in self._slots)  # free since admission began (_admit
+        return self._insert(st, row, slot, a.rid, a.req, a.seed)          # admits nothing else meanwhile)
 
-    def _view(self):
-        """The attention view the next chunk starts in (:func:`kv_views`; ``None``: the whole buffer)."""
+    def _view(self, rows: int | None = None):
+        """The attention view the next chunk starts in (:func:`kv_views`; ``None``: the whole buffer);
+        with ``rows`` (the ladder in use), the auto policy's key ``(rows, view)``."""
         longest = max(r.reported for r in self._slots.values())
-        return view_for(kv_views(self.prog.buffer_len), longest, self.prog.round_span)
+        view = view_for(kv_views(self.prog.buffer_len), longest, self.prog.round_span)
+        return view if rows is None or len(self.ladder) == 1 else (rows, view)
 
-    def _policy(self, st):
+    def _policy(self, st, rows: int | None = None):
         """Set each running row's speculation switch; one small device update when a switch
         changes. A request with ``speculative: false`` never speculates; a sampled request always
         does (its tokens are its seed's, :func:`generate`'s); greedy requests (the same tokens either
@@ -475,7 +557,7 @@ class Engine:
             return st, False, _PINNED
         running = self._slots.values()
         switchable = not any(r.req.speculative and r.req.sampling.temperature > 0 for r in running)
-        view = self._view() if switchable and self._auto is not None else _PINNED
+        view = self._view(rows) if switchable and self._auto is not None else _PINNED
         off = switchable and ((self.spec_max_running is not None and len(self._slots) > self.spec_max_running)
                               or (view is not _PINNED and self._auto.plain(view)))
         want = np.zeros(self.slots, bool)
