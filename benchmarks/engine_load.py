@@ -5,7 +5,7 @@ round: the default pair, SmolLM2-135M-Instruct + its shipped drafter, γ 2) and 
 measured choice between speculative and plain chunks, ``specjax serve``'s default).
 
     python benchmarks/engine_load.py [--concurrency 1 8 32] [--slots 8] [--requests-per-client 2] [--new 64]
-        [--dtype float32] [--max-context 1024]
+        [--dtype float32] [--max-context 1024] [--ladder on off]
 
 Clients are closed loops: each keeps one request in flight and submits its next when the last one
 finishes, so at most ``concurrency`` requests are in the engine (the rest of a client's requests wait
@@ -85,6 +85,9 @@ def main():
     ap.add_argument("--max-context", type=int, default=1024)
     ap.add_argument("--rounds-per-chunk", type=int, default=4)
     ap.add_argument("--methods", nargs="+", default=["off", "always", "auto"])
+    ap.add_argument("--ladder", nargs="+", default=["on"], choices=["on", "off"],
+                    help="chunks on the fewest rows holding the running requests (on: the engine's default) or on "
+                         "every slot (off); both: side by side")
     args = ap.parse_args()
     enable_compilation_cache()
     target = load_model(dtype=args.dtype)
@@ -93,16 +96,18 @@ def main():
     for c in args.concurrency:
         slots = args.slots or c
         prompts = _prompts(target, c * args.requests_per_client)
-        for method in args.methods:
+        for method, ladder in [(m, x) for m in args.methods for x in args.ladder]:
             dec = Decoder(target) if method == "off" else Decoder(target, drafter, gamma=2)
             eng = Engine(dec, slots=slots, max_context=args.max_context, rounds_per_chunk=args.rounds_per_chunk,
-                         max_logprobs=None, speculation="auto" if method == "auto" else "always")
-            warm = eng.warmup()
+                         max_logprobs=None, speculation="auto" if method == "auto" else "always", ladder=ladder == "on")
+            warm = eng.warmup(all_rows=True)
             _run(eng, prompts[: max(slots, 2)], 4)  # compile every prompt bucket the run meets
             _run(eng, prompts, 4)
+            eng.chunks_by_rows.clear()
             res = _run(eng, prompts, args.new, clients=c)
             extra = {} if eng._auto is None else {"auto_rates": {str(k): v for k, v in eng._auto.summary().items()}}
-            print(json.dumps(dict(concurrency=c, slots=slots, method=method, requests=len(prompts), new=args.new,
+            extra["chunks_by_rows"] = dict(eng.chunks_by_rows)
+            print(json.dumps(dict(concurrency=c, slots=slots, method=method, ladder=ladder, requests=len(prompts), new=args.new,
                                   dtype=args.dtype, warmup_s=round(warm, 1), **res, **extra), default=str), flush=True)
 
 

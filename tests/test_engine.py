@@ -276,7 +276,7 @@ def test_auto_speculation_measures_both_programs_and_keeps_tokens():
     """``speculation="auto"``: greedy requests alone run chunks of both programs (the speculative
     one first, then a plain one to measure it, then the faster with probes of the other), every
     request equals its alone run, and the policy holds a measured rate for each program."""
-    from specjax.runtime.spec_policy import PROBE_SPEC, AutoSpeculation
+    from specjax.runtime.spec_policy import PROBE_SPEC, PROBE_SPEC_MAX, AutoSpeculation, spec_probe_every
 
     dec = _decoder("model")
     eng = Engine(dec, slots=2, max_context=160, rounds_per_chunk=2, max_logprobs=None, speculation="auto")
@@ -289,11 +289,15 @@ def test_auto_speculation_measures_both_programs_and_keeps_tokens():
     assert 1.0 <= auto.tau <= 1 + dec.gamma
     # the choice: τ / t_spec vs 1 / t_plain, the faster program with probes of the other
     a = AutoSpeculation(t_spec={None: 0.2}, t_plain={None: 0.1}, tau=1.5)  # plain: 10 vs 7.5 tokens/s
+    every = spec_probe_every(0.2, 0.1, 1.5)  # a probe loses (0.2 − 0.15) / 0.1 = 0.5 plain rounds: 1 per 17 chunks
+    assert every == 17
     picks = []
-    for _ in range(2 * PROBE_SPEC):
+    for _ in range(2 * every):
         picks.append(a.plain(None))
         a.record(picks[-1], None, 0.4 if picks[-1] else 0.8, 4, 6, 4)  # the same costs and τ again
-    assert picks.count(False) == 2 and all(picks[:PROBE_SPEC - 1])
+    assert picks.count(False) == 2 and all(picks[:every - 1])
+    # close programs: probes every PROBE_SPEC chunks; a hopeless one: every PROBE_SPEC_MAX
+    assert spec_probe_every(0.2, 0.1, 1.99) == PROBE_SPEC and spec_probe_every(1.0, 0.1, 1.0) == PROBE_SPEC_MAX
     b = AutoSpeculation(t_spec={None: 0.2}, t_plain={None: 0.1}, tau=2.5)  # speculation: 12.5 vs 10 tokens/s
     assert not b.plain(None) and not b.plain(256)  # another view: its speculative program is measured first,
     b.record(False, 256, 0.6, 4, 10, 4)

@@ -339,15 +339,15 @@ class Engine:
         return int(req.seed)
 
     # ---- the decode side (one thread)
-    def warmup(self, prompt_tokens: int = 512) -> float:
+    def warmup(self, prompt_tokens: int = 512, all_rows: bool = False) -> float:
         """Compile (and run once, on a dummy prompt) the prefill of every prompt bucket up to
         ``prompt_tokens`` (capped to the context), the insertion, ending and switching of a row, and
         the chunk of rounds (speculative and plain) at every attention view, on one row and on every
-        slot (:attr:`ladder`'s ends); returns the seconds. Longer prompt buckets and the ladder's
+        slot (:attr:`ladder`'s ends; ``all_rows``: every row count of the ladder); returns the seconds. Longer prompt buckets and the ladder's
         other row counts compile at their first use."""
         t0 = time.perf_counter()
         st = self._ensure_state()
-        for rows in sorted({self.ladder[0], self.slots}):  # the row counts of one request and of a full house
+        for rows in self.ladder if all_rows else sorted({self.ladder[0], self.slots}):  # one request; a full house
             args = self.decoder._run_args(st if rows == self.slots else _head_jit(st, rows), 0)
             for prog in (self.prog, self._plain):
                 for v in kv_views(self.prog.buffer_len) + [None] if prog is not None else []:  # every view's program

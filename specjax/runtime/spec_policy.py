@@ -2,15 +2,17 @@
 chunk by chunk, between its speculative program and its ``plain`` one (one-token target calls
 on the same state, :func:`specjax.runtime.loop._plain_round`).
 
-On one device the engine's programs compute every slot, running or free, so a round's cost does
-not depend on how many requests run. What decides is, per attention view, the measured seconds per
+Each of the engine's programs computes all of its rows, running or free, so a round's cost depends on
+the row count it runs on (the engine's ladder) and the attention view, not on how many of those rows
+run. What decides is, per row count and attention view, the measured seconds per
 round of each program (t_spec, t_plain: a property of the programs and the host), and τ, the tokens a
 running row commits per speculative round (a property of the requests served, measured exactly from
 the rows' committed tokens and target calls). A plain round commits one token per row, so plain
 chunks are faster when 1 / t_plain > τ / t_spec. Unmeasured programs are measured first; then the
-faster one runs and the other is re-measured now and then (a speculative chunk every
-:data:`PROBE_SPEC` chunks while plain ones win — τ may rise —, a plain chunk every
-:data:`PROBE_PLAIN` while speculative ones win), all as exponentially weighted means.
+faster one runs and the other is re-measured now and then (while plain chunks win, a speculative chunk
+every :func:`spec_probe_every` chunks — τ may rise —: every :data:`PROBE_SPEC` when the two are close,
+rarer as speculation's measured loss grows, so the probes cost about :data:`PROBE_LOSS` of the time;
+a plain chunk every :data:`PROBE_PLAIN` while speculative ones win), all as exponentially weighted means.
 
 Only chunks whose rows do not depend on the method may switch (greedy rows: the same tokens
 either way; the engine keeps every sampled row on its method so that its seed reproduces it):
@@ -20,11 +22,24 @@ either way; the engine keeps every sampled row on its method so that its seed re
 from __future__ import annotations
 
 import dataclasses
+import math
 
 SPECULATION = ("always", "auto")  # Engine(speculation=...) / serve --speculation: always, or by measured costs
-PROBE_SPEC = 8  # while plain chunks are faster: a speculative chunk every this many chunks (τ may rise)
+PROBE_SPEC = 8  # while plain chunks are faster: a speculative chunk at most every this many chunks (τ may rise)
+PROBE_SPEC_MAX = 64  # ... and at least every this many
+PROBE_LOSS = 0.03  # the share of decode time the speculative probes may cost (sets their interval in between)
 PROBE_PLAIN = 32  # while speculative chunks are faster: a plain chunk every this many
 WEIGHT = 0.3  # weight of the newest chunk in the running means
+
+
+def spec_probe_every(t_spec: float, t_plain: float, tau: float) -> int:
+    """Chunks between speculative probes while plain chunks are faster: a probe's round takes
+    ``t_spec`` seconds for ``tau`` tokens that plain rounds make in ``tau · t_plain``, so it loses
+    ``(t_spec − tau · t_plain) / t_plain`` plain rounds; one probe per ``n`` chunks then costs that
+    over ``n`` — ``n`` is the smallest keeping it at :data:`PROBE_LOSS`, within
+    [:data:`PROBE_SPEC`, :data:`PROBE_SPEC_MAX`]."""
+    loss = max(0.0, t_spec - tau * t_plain) / t_plain
+    return min(PROBE_SPEC_MAX, max(PROBE_SPEC, math.ceil(loss / PROBE_LOSS)))
 
 
 def _mean(old: float | None, new: float) -> float:
@@ -35,8 +50,9 @@ def _mean(old: float | None, new: float) -> float:
 class AutoSpeculation:
     """The measured costs and the choice (see the module docstring).
 
-    ``t_spec`` / ``t_plain``: ``{view: seconds per round}`` (a view is the number of cache slots
-    the chunk's first round attends over, ``None`` for the whole buffer); ``tau``: tokens per
+    ``t_spec`` / ``t_plain``: ``{key: seconds per round}``, the key a view (the number of cache slots
+    the chunk's first round attends over, ``None`` for the whole buffer) or the engine's ``(rows, view)``
+    (the rows a chunk computes: :func:`~specjax.runtime.engine.row_ladder`); ``tau``: tokens per
     running row per speculative round (``None`` until measured).
     """
 
@@ -54,7 +70,7 @@ class AutoSpeculation:
         if tp is None:
             return True
         if 1.0 / tp > self.tau / ts:
-            return self.since_spec < PROBE_SPEC - 1
+            return self.since_spec < spec_probe_every(ts, tp, self.tau) - 1
         return self.since_plain >= PROBE_PLAIN - 1
 
     def record(self, plain: bool, view, seconds: float, rounds: int, tokens: int, row_rounds: int) -> None:
@@ -73,5 +89,10 @@ class AutoSpeculation:
             self.since_spec, self.since_plain = 0, self.since_plain + 1
 
     def summary(self) -> dict:
-        """The measurements (for logs and benchmarks): seconds per round by view, and τ."""
-        return {"t_spec": dict(self.t_spec), "t_plain": dict(self.t_plain), "tau": self.tau}
+        """The measurements (for logs and benchmarks, JSON-ready): seconds per round by key (the view, or
+        ``"rows/view"`` for the engine's ``(rows, view)`` keys), and τ."""
+        def key(k):
+            return "/".join(map(str, k)) if isinstance(k, tuple) else str(k)
+
+        return {"t_spec": {key(k): v for k, v in self.t_spec.items()},
+                "t_plain": {key(k): v for k, v in self.t_plain.items()}, "tau": self.tau}
