@@ -477,6 +477,9 @@ def test_api_bounds_raise_value_error():
         Decoder(m, NgramDrafter(3), gamma=65)
     with pytest.raises(ValueError, match="must be <= 64"):
         specjax.generate_text(m, ["w3 w4"], drafter=NgramDrafter(3), gamma=100000)
+    for bad in ("x", None, True, float("nan"), 2.5, 0):  # "x": was "invalid literal for int()"
+        with pytest.raises(ValueError, match=r"gamma \(num_draft_tokens\) must be an integer >= 1"):
+            Decoder(m, NgramDrafter(3), gamma=bad)
     with pytest.raises(ValueError, match="tree nodes must be <= 512"):
         specjax.generate_text(m, ["w3 w4"], drafter=NgramDrafter(3), tree_nodes=2000, tree_depth=50, tree_topk=8)
     with pytest.raises(ValueError, match="tree depth must be <= 64"):

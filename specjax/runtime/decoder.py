@@ -204,7 +204,8 @@ def validate_batch(prompts, max_new_tokens, gamma, drafter, ctx_limit, vocab_siz
 
 def _check_gamma(gamma) -> None:
     """Raises ValueError unless ``gamma`` is an integer in [1, ``MAX_GAMMA``]."""
-    if int(gamma) != gamma or gamma < 1:
+    if isinstance(gamma, bool) or not isinstance(gamma, (int, float, np.integer, np.floating)) \
+            or not np.isfinite(gamma) or int(gamma) != gamma or gamma < 1:
         raise ValueError(f"gamma (num_draft_tokens) must be an integer >= 1, got {gamma!r}")
     if gamma > MAX_GAMMA:
         raise ValueError(f"gamma (num_draft_tokens) must be <= {MAX_GAMMA} draft tokens per round, got {gamma!r}; "
