@@ -9,8 +9,11 @@ round to round):
   q8_1t    the kernel, one thread (the default)
   q8_2t    the kernel, N split over two threads
   ref      the jnp reference (block_matmul_ref), only at M <= 2 (it is slow)
+  q8_1t_ISA  with --isa ISA ...: the kernel, one thread, forced onto that instruction-set path
+           (q8.set_isa before each call: e.g. avx2 on an AVX-512 host, a stand-in for an AVX2-only host's
+           kernel — the float32 column stays this host's XLA)
 
-Usage: python benchmarks/q8_block.py [--reps 21] [--ms 1,2,4,8,64,512]
+Usage: python benchmarks/q8_block.py [--reps 21] [--ms 1,2,4,8,64,512] [--isa avx2 scalar]
 Prints the CPU's flags (avx512_vnni / avx2), the load average before and after, and a table of
 medians (interquartile range).
 """
@@ -108,6 +111,8 @@ def main():
     ap.add_argument("--reps", type=int, default=21)
     ap.add_argument("--ms", default="1,2,4,8,64,512")
     ap.add_argument("--ref-max-m", type=int, default=2)
+    ap.add_argument("--isa", nargs="*", default=[], choices=q8.ISAS,
+                    help="also time the one-thread kernel forced onto these instruction-set paths")
     args = ap.parse_args()
     print("cpu:", cpu_flags())
     print(f"kernel: available={q8.available()} isa={q8.isa()} ({q8.unavailable_reason() or 'ok'}); "
@@ -118,12 +123,21 @@ def main():
     layers, head = make_weights(rng)
     print(f"weights built in {time.time() - t0:.1f}s", flush=True)
     all_v = variants()
+    best = q8.isa()
+    forced = {f"q8_1t_{i}": i for i in args.isa}
+    all_v.update({k: all_v["q8_1t"] for k in forced})
+
+    def wrap(name, f):  # the kernel's path is a process-wide switch: set it before every call
+        if name in forced:
+            return lambda *a: (q8.set_isa(forced[name]), f(*a))[1]
+        return (lambda *a: (q8.set_isa(best), f(*a))[1]) if forced and best else f
+
     rows = []
     for M in [int(m) for m in args.ms.split(",")]:
         names = [k for k in all_v if k != "ref" or M <= args.ref_max_m]
         h = jnp.asarray(rng.standard_normal((M, D), dtype=np.float32))
-        r = bench({k: model(all_v[k]) for k in names}, (h, layers, head), args.reps)
-        rh = bench({k: head_only(all_v[k]) for k in names}, (h, head), args.reps)
+        r = bench({k: wrap(k, model(all_v[k])) for k in names}, (h, layers, head), args.reps)
+        rh = bench({k: wrap(k, head_only(all_v[k])) for k in names}, (h, head), args.reps)
         rows.append((M, r, rh))
         for what, d in (("model", r), ("head", rh)):
             print(f"M={M} {what}: " + "  ".join(f"{k} {v[0]:.2f} [{v[1]:.2f}-{v[2]:.2f}]" for k, v in d.items()),
