@@ -108,12 +108,11 @@ class _Running:
 @dataclasses.dataclass
 class _Admitting:
     """A request whose prompt (longer than one prefill chunk) is prefilled one chunk per step
-    into its own one-row cache before it joins a slot (the lowest free one then; ``slot`` is the one
-    free when it began, kept free: nothing else is admitted meanwhile)."""
+    into its own one-row cache before it joins a slot (the lowest free one then: nothing else is
+    admitted meanwhile, so one is free)."""
     rid: int
     req: EngineRequest
     seed: int
-    slot: int
     prompt: jax.Array  # [1, P] padded prompt
     cache: KVCache
     hidden: jax.Array  # [1, P, F]
@@ -164,10 +163,10 @@ def put_head_rows(state, head):
         state, head)
 
 
-def row_ladder(slots: int, data: int = 1) -> tuple[int, ...]:
-    """The row counts a chunk of rounds may run on: ``data · 2^k`` below ``slots``, then ``slots``
-    (``data``: the mesh's data axis, 1 off a mesh). Each is its own program (compiled once)."""
-    out, n = [], int(data)
+def row_ladder(slots: int) -> tuple[int, ...]:
+    """The row counts a chunk of rounds may run on: the powers of two below ``slots``, then ``slots``.
+    Each is its own program (compiled once)."""
+    out, n = [], 1
     while n < slots:
         out.append(n)
         n *= 2
@@ -343,8 +342,8 @@ class Engine:
         """Compile (and run once, on a dummy prompt) the prefill of every prompt bucket up to
         ``prompt_tokens`` (capped to the context), the insertion, ending and switching of a row, and
         the chunk of rounds (speculative and plain) at every attention view, on one row and on every
-        slot (:attr:`ladder`'s ends; ``all_rows``: every row count of the ladder); returns the seconds. Longer prompt buckets and the ladder's
-        other row counts compile at their first use."""
+        slot (:attr:`ladder`'s ends; ``all_rows``: every row count of the ladder); returns the seconds.
+        Longer prompt buckets and the ladder's other row counts compile at their first use."""
         t0 = time.perf_counter()
         st = self._ensure_state()
         for rows in self.ladder if all_rows else sorted({self.ladder[0], self.slots}):  # one request; a full house
@@ -495,7 +494,7 @@ class Engine:
                 rid, req, seed = self._queue.popleft()
             slot = free[0]
             if len(req.prompt) > PREFILL_CHUNK:
-                self._admitting = self._start_admission(rid, req, seed, slot)
+                self._admitting = self._start_admission(rid, req, seed)
                 return self._advance(st)
             budget -= len(req.prompt)
             row = self._row_state(list(req.prompt), req.max_new_tokens, seed, req.sampling, req.stop_token_ids,
@@ -510,14 +509,14 @@ class Engine:
             self._speculating[slot] = bool(req.speculative)
         return st
 
-    def _start_admission(self, rid, req, seed, slot) -> _Admitting:
+    def _start_admission(self, rid, req, seed) -> _Admitting:
         p = prompt_bucket(len(req.prompt), self.decoder.prompt_bucket)  # a multiple of PREFILL_CHUNK here
         arr = np.zeros((1, p), np.int32)
         arr[0, : len(req.prompt)] = list(req.prompt)
         cfg = self.decoder.target.config
         cache = KVCache.create(cfg, 1, self.prog.buffer_len, jnp.dtype(self.prog.cache_dtype))
         hidden = jnp.zeros((1, p, self._sprog.feature_size), jnp.float32)
-        return _Admitting(rid, req, seed, slot, jax.device_put(arr), cache, hidden)
+        return _Admitting(rid, req, seed, jax.device_put(arr), cache, hidden)
 
     def _advance(self, st):
         """One prefill chunk of the request being admitted; after its last chunk, the rest of its
