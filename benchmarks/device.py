@@ -2,13 +2,16 @@
 """The accelerator benchmark: specjax's decode step, verification cost and speculative round at real
 model sizes, on whatever JAX device the host has (one GPU or TPU chip; CPU works too).
 
-One script, no install, no network, no model files: the targets are **random bfloat16 weights** of
+One script, no install, no network, no model files: the targets are **random bfloat16 weights**
+(``--dtype float32``: a CPU's own format) of
 the SmolLM2-135M, Llama-3.2-1B and Llama-3.1-8B shapes (the published ``config.json`` values,
 declared once in :mod:`specjax.models.shapes`, parsed by :meth:`specjax.ModelConfig.from_hf_config`), generated on the device by jitted
 ``jax.random`` calls, so host memory stays small. Speed does not depend on the weights' values.
 
     PYTHONPATH=. python benchmarks/device.py --out results.json            # ≈ 5 min budget
     PYTHONPATH=. python benchmarks/device.py --cpu-smoke --out smoke.json  # one tiny shape on CPU (CI)
+    PYTHONPATH=. python benchmarks/device.py --shapes llama-3.2-1b --dtype float32 --bandwidth measure \
+        --out cpu-1b.json                                                  # a 1B shape against this CPU's floor
 
 Per shape it measures, at batch 1 (times are medians; ms per call unless said):
 
@@ -22,7 +25,9 @@ Per shape it measures, at batch 1 (times are medians; ms per call unless said):
   (every weight, an untied embedding table only by the row it gathers, plus the whole KV buffer,
   which specjax's blocked attention reads masked) ÷ the device's peak bandwidth
   (:data:`PEAK_BANDWIDTH_TBS` by device kind, or ``--bandwidth``); ``ratio_* = measured ÷ bound``
-  (1 = at the bound). On CPU the bound is not meaningful and left out unless ``--bandwidth`` is given;
+  (1 = at the bound). On CPU there is no spec-sheet peak: the bound is left out unless ``--bandwidth``
+  is given; ``--bandwidth measure`` takes the read rate of a jitted sum over 1 GiB on this host
+  (:func:`measured_bandwidth`), the memory floor a decode step could reach here;
 * ``decode``: one round of the real decode program (:class:`specjax.Decoder`'s compiled
   ``lax.while_loop``, timed over chunks of rounds): autoregressive (one token per round) and
   speculative with a random-weight drafter of the shipped EAGLE-3 drafter's architecture
@@ -79,7 +84,8 @@ from specjax.models.shapes import SHAPES as PUBLISHED
 from specjax.runtime.decoder import decode_buffer_len
 from specjax.runtime.loop import verification_mask
 
-DTYPE = "bfloat16"  # the weight format of every target (GPU/TPU default); KV cache: kv_cache_dtype(DTYPE)
+DTYPE = "bfloat16"  # the weight format of every target (GPU/TPU default; --dtype float32 for a CPU's floor); KV cache: kv_cache_dtype(DTYPE)
+DTYPES = ("bfloat16", "float32")
 BATCH = 1
 
 # The published config.json values of the shapes benchmarked (declared once, in specjax.models.shapes).
@@ -154,10 +160,34 @@ class Report:
 
 
 # --------------------------------------------------------------------------- the device
-def peak_bandwidth(kind: str, backend: str, override_tbs: float | None) -> dict:
-    """``{"bytes_per_s", "source", "note"}``: ``override_tbs`` (``--bandwidth``, TB/s) if given, else
-    the :data:`PEAK_BANDWIDTH_TBS` entry of the device ``kind``; ``bytes_per_s`` is None on the
-    ``"cpu"`` backend and for kinds the table does not know."""
+def measured_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """Bytes per second the device reads in a jitted sum over a ``gib``-GiB float32 array (best of
+    ``repeats``, after one compile call): the streaming read rate a decode step can reach on this host
+    (on CPU, with XLA's threads; larger than every cache level, so DRAM). A floor that is achievable
+    here, not a spec-sheet peak."""
+    x = jnp.ones((int(gib * 2 ** 30) // 4,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    total(x).block_until_ready()
+    best = min(_timed(lambda: total(x).block_until_ready()) for _ in range(repeats))
+    nbytes = x.nbytes
+    del x
+    return nbytes / best
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def peak_bandwidth(kind: str, backend: str, override_tbs: float | str | None) -> dict:
+    """``{"bytes_per_s", "source", "note"}``: ``override_tbs`` (``--bandwidth``, TB/s, or ``"measure"``:
+    :func:`measured_bandwidth`) if given, else the :data:`PEAK_BANDWIDTH_TBS` entry of the device
+    ``kind``; ``bytes_per_s`` is None on the ``"cpu"`` backend and for kinds the table does not know."""
+    if override_tbs == "measure":
+        bps = measured_bandwidth()
+        return {"bytes_per_s": bps, "source": f"measured: a jitted sum over 1 GiB, {bps / 1e9:.1f} GB/s",
+                "note": "the read rate reached on this host (best of 5), not a spec-sheet peak"}
     if override_tbs is not None:
         note = "given on the command line" + (" (CPU: indicative only)" if backend == "cpu" else "")
         return {"bytes_per_s": override_tbs * 1e12, "source": "--bandwidth", "note": note}
@@ -492,6 +522,18 @@ def run_passes(report: Report, runs: list[ShapeRun], gammas: list[int]) -> int:
 
 
 # --------------------------------------------------------------------------- main
+def _bandwidth_arg(text: str) -> float | str:
+    if text == "measure":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of TB/s; give e.g. 4.8, or 'measure'") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the bandwidth must be > 0 TB/s")
+    return value
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """The options, with the full or smoke presets (:data:`FULL`, :data:`SMOKE`) for those not given."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -503,7 +545,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--gammas", nargs="+", type=int, choices=sorted(TAU_REPLAYED),
                    help=f"speculative γ values, those with a replayed τ (default {FULL['gammas']}; "
                    f"smoke {SMOKE['gammas']})")
-    p.add_argument("--bandwidth", type=float, help="peak memory bandwidth in TB/s (default: by device kind)")
+    p.add_argument("--bandwidth", type=_bandwidth_arg,
+                   help="peak memory bandwidth in TB/s, or 'measure' (a jitted sum over 1 GiB on the device: "
+                   "a CPU's achievable floor); default: by device kind")
+    p.add_argument("--dtype", choices=DTYPES, default="bfloat16",
+                   help="the targets' weight format (default %(default)s; float32: a CPU's memory floor)")
     p.add_argument("--budget-s", type=float, help="stop before the next measurement after this many seconds "
                    f"(default {FULL['budget_s']:.0f}; smoke {SMOKE['budget_s']:.0f})")
     p.add_argument("--compile-cache", default=os.path.join(tempfile.gettempdir(), "specjax-device-benchmark-cache"),
@@ -560,6 +606,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; exit status 0 when complete or stopped by the budget, 1 when a shape failed."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
+    global DTYPE
+    DTYPE = args.dtype  # read by every function below when it runs
     if args.cpu_smoke:
         jax.config.update("jax_platforms", "cpu")
     if args.compile_cache != "none":

@@ -1,10 +1,11 @@
 """What a long prompt's admission costs the requests already running (issue 31's target: p99
 inter-token latency of running streams while a 2,000-token prompt is admitted ≤ 3× its median):
 3 greedy streams decode 160 tokens each on the default model (float32, 4 slots, no drafter); after
-their 8th update a ≈ 2,000-token prompt is submitted. Admission one prefill chunk (512 tokens) per
-engine step (now) vs the whole prompt in one step (before), side by side in one run.
+their 8th update a ≈ 2,000-token prompt is submitted. The whole prompt in one step (turn 13), one
+prefill chunk (512 tokens) per engine step (turns 14–19) and one ``ADMIT_TOKENS`` piece (64 tokens) per
+step (now), side by side in one run.
 
-    python benchmarks/engine_admission.py [--prompt-tokens 2000] [--dtype float32]
+    python benchmarks/engine_admission.py [--prompt-tokens 2000] [--dtype float32] [--skip 0]
 
 Prints one JSON line per mode: the running streams' per-token latency between updates (median, p99,
 max, ms) over the whole run and the seconds until the long request's first token; and the CPU flags.
@@ -56,6 +57,7 @@ def main():
     ap.add_argument("--prompt-tokens", type=int, default=2000)
     ap.add_argument("--new", type=int, default=160)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--skip", type=int, default=0, help="skip the first SKIP modes (the older ones)")
     args = ap.parse_args()
     enable_compilation_cache()
     target = load_model(dtype=args.dtype)
@@ -63,15 +65,18 @@ def main():
     rng = np.random.default_rng(0)
     long_prompt = rng.integers(100, target.config.vocab_size - 100, size=args.prompt_tokens).tolist()
     print(json.dumps({"host": host_fingerprint()}))
-    chunk = engine_mod.PREFILL_CHUNK
-    for mode, limit in (("whole prompt in one step (before)", 10 ** 9), ("one 512-token chunk per step (now)", chunk)):
-        engine_mod.PREFILL_CHUNK = limit
+    chunk, piece = engine_mod.PREFILL_CHUNK, engine_mod.ADMIT_TOKENS
+    modes = (("whole prompt in one step (turn 13)", 10 ** 9, 10 ** 9),
+             ("one 512-token chunk per step (turns 14-19)", chunk, chunk),
+             (f"one {piece}-token piece per step while others run (now)", chunk, piece))
+    for mode, limit, admit in modes[args.skip:]:
+        engine_mod.PREFILL_CHUNK, engine_mod.ADMIT_TOKENS = limit, admit
         eng = Engine(Decoder(target), slots=4, max_context=2304, max_logprobs=None)
         eng.warmup()
         _run(eng, short, long_prompt, 64)  # compile the long prompt's programs (it arrives after 8 updates)
         res = _run(eng, short, long_prompt, args.new)
         print(json.dumps(dict(mode=mode, prompt_tokens=args.prompt_tokens, dtype=args.dtype, **res)), flush=True)
-    engine_mod.PREFILL_CHUNK = chunk
+    engine_mod.PREFILL_CHUNK, engine_mod.ADMIT_TOKENS = chunk, piece
 
 
 if __name__ == "__main__":

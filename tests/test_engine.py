@@ -250,17 +250,22 @@ def test_attention_views_give_the_full_buffers_tokens(fmt, setup, monkeypatch):
 
 
 @pytest.mark.parametrize("chunk", [32, 64])
-def test_long_prompts_are_admitted_one_chunk_per_step(monkeypatch, chunk):
-    """A prompt longer than one prefill chunk is prefilled one chunk per engine step (running rows
-    wait at most a chunk; here chunks of 32 or 64 tokens stand for the 512 of a real server; 64, a
-    power-of-two number of attention blocks, reads only the key spans each chunk sees, 32 the whole
-    buffer): its tokens still equal its alone run (whose prefill is the same chunks in one scan), and a
-    request cancelled while its prompt is being prefilled frees its slot."""
+def test_long_prompts_are_admitted_piece_by_piece(monkeypatch, chunk):
+    """While requests run, a prompt longer than ADMIT_TOKENS is prefilled one piece per engine step
+    (running rows wait at most a piece; here pieces of 16 and chunks of 32 or 64 tokens stand for the
+    64 and 512 of a real server; 64, a power-of-two number of attention blocks, reads only the key spans
+    each chunk sees, 32 the whole buffer); an idle engine takes a whole chunk per step. Its tokens still
+    equal its alone run, whose prefill is one call (prompts of one chunk or less: 45 tokens) or the
+    chunks in one scan (70, 100), so the pieces give those calls' bits; and a request cancelled while
+    its prompt is being prefilled frees its slot."""
     from specjax.runtime import prefill as prefill_mod
 
     for mod in (prefill_mod, engine_mod):
         monkeypatch.setattr(mod, "PREFILL_CHUNK", chunk)
-    monkeypatch.setattr(engine_mod, "ADMIT_TOKENS", chunk)
+    monkeypatch.setattr(engine_mod, "ADMIT_TOKENS", 16)
+    pieces = []
+    real = engine_mod.prompt_piece_jit
+    monkeypatch.setattr(engine_mod, "prompt_piece_jit", lambda *a: pieces.append(a[-1]) or real(*a))
     m = tiny_model(seed=1, scale=4.0, max_position_embeddings=400 + chunk)  # its own programs (the chunk is traced)
     dec = Decoder(m, NgramDrafter(3), gamma=3)
     eng = Engine(dec, slots=2, max_context=200, rounds_per_chunk=2, max_logprobs=4, ladder=False)
@@ -271,8 +276,9 @@ def test_long_prompts_are_admitted_one_chunk_per_step(monkeypatch, chunk):
     out = _serve(eng, reqs[:4])
     for j, r in enumerate(reqs[:4]):
         assert out[j][0] == _alone(dec, r).tokens[0], j
-    rid = eng.submit(reqs[4])  # 90 tokens: 3 chunks of 32 or 2 of 64; cancelled after the first
-    assert eng.step() == [] and eng._admitting is not None and eng._admitting.done_chunks == 1
+    assert 16 in pieces  # prompts admitted in pieces while the others ran
+    rid = eng.submit(reqs[4])  # 90 tokens into an idle engine: whole chunks; cancelled after the first
+    assert eng.step() == [] and eng._admitting is not None and eng._admitting.done == chunk
     eng.cancel(rid)
     assert [(u.request_id, u.finish_reason) for u in eng.step()] == [(rid, "cancelled")] and eng.idle
 

@@ -103,9 +103,11 @@ def test_kernel_is_the_numpy_reference_bitwise(kernel, every_isa, transposed, K)
                     continue  # the scalar path is slow; a few row counts suffice
                 y = _kernel_call(x[:M], codes, scale, transposed)
                 assert np.array_equal(bits(y), bits(ref[:M])), (isa, K, N, M)
-            if N == 960:  # two threads split N (M K N >= 2^24 at K >= 576): the same bits
-                y2 = _kernel_call(x, codes, scale, transposed, threads=2)
-                assert np.array_equal(bits(y2), bits(ref)), (isa, K, N, "threads=2")
+            if N == 960:  # 2 and 3 threads split N (the pool's helpers: M >= 64 rows): the same bits
+                x64 = np.concatenate([x, x])  # 66 rows
+                for threads in (2, 3):
+                    y2 = _kernel_call(x64, codes, scale, transposed, threads=threads)
+                    assert np.array_equal(bits(y2), bits(np.concatenate([ref, ref]))), (isa, K, N, threads)
 
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["KN", "NK"])

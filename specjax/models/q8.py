@@ -55,8 +55,24 @@ CXX_FLAGS = ("-O3", "-shared", "-fPIC", "-std=c++17", "-ffp-contract=off", "-Wno
              "-Wno-ignored-attributes")
 TARGETS = {False: "specjax_q8block_kn", True: "specjax_q8block_nk"}
 ISAS = ("scalar", "avx2", "avx512vnni")
-# threads over N of one kernel call (the prototype found one thread best at small M)
-DEFAULT_THREADS = 1
+
+
+def _default_threads() -> int:
+    """Threads over N per kernel call: the cores this process may run on (at most 8), or
+    ``SPECJAX_Q8_THREADS`` (a positive integer; anything else is ignored). The helpers are a
+    persistent pool in the kernel (q8block.cc), so a call pays microseconds to split, not a thread
+    start; calls of fewer than ``SPECJAX_Q8_MIN_PAR_ROWS`` (64) rows — decode's — run on one thread."""
+    env = os.environ.get("SPECJAX_Q8_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, 8))
+
+
+DEFAULT_THREADS = _default_threads()
 
 
 # ------------------------------------------------------------------ build / load

@@ -18,13 +18,22 @@
 //
 // Handlers: Q8BlockKN, Q8BlockNK: (x f32[M,K], codes u8, scale f32) -> y f32[M,N]; attribute
 // threads (int64): the most threads over N (1: the calling thread only); calls of fewer than
-// SPECJAX_Q8_MIN_PAR_WORK (2^24) multiply-adds M K N run on the calling thread whatever it says.
+// SPECJAX_Q8_MIN_PAR_ROWS rows (64) run on the calling thread whatever it says. The
+// other threads are a persistent pool (Pool below): they spin for SPECJAX_Q8_SPIN_US microseconds
+// after a call (a decode step's matmuls come microseconds apart), then sleep.
 // K must be a multiple of 32 (the Python wrapper uses the jnp reference otherwise).
 
 #include <immintrin.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
+#include <functional>
+#include <mutex>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -74,8 +83,83 @@ static const int64_t g_ybudget = env_int("SPECJAX_Q8_YBUDGET", 256 << 10);
 static const int g_pfg = env_int("SPECJAX_Q8_PFG", 1);
 static const int g_pfg_hint = env_int("SPECJAX_Q8_PFG_T1", 0);
 static const int g_pfb = env_int("SPECJAX_Q8_PFB", 2);
-// threads > 1 only for calls of at least this many multiply-adds (M K N)
-static const int64_t g_min_par_work = env_int("SPECJAX_Q8_MIN_PAR_WORK", 1 << 24);
+// threads > 1 only for calls of at least this many rows M (prefill chunks, large batches): measured
+// on the default pair at batch 1 (2 cores), splitting decode's calls made decode slower (60.3 tokens/s
+// on one thread; 50.7 with the head and the larger layers split, the helper spinning 100 us between
+// calls; 56.4 with it sleeping at once): a split halves each KN code row's contiguous run, and a
+// helper that spins takes a core from XLA's own threads between the kernel's calls.
+static const int64_t g_min_par_rows = env_int("SPECJAX_Q8_MIN_PAR_ROWS", 64);
+// helpers spin this long for the next call before they sleep on a condition variable (0: sleep at
+// once; the calls that split take milliseconds, a wake-up microseconds)
+static const int64_t g_spin_us = env_int("SPECJAX_Q8_SPIN_US", 0);
+
+// ------------------------------------------------------------------ the helper threads
+// One call at a time splits its columns over the calling thread (part 0) and helpers 1..n-1; a call
+// that finds the pool busy (another XLA thread's kernel) runs on its own thread. Helpers are created
+// on first use and never destroyed (the pool is leaked, so no static destructor races a sleeping
+// helper at exit); a forked child (its pid differs) builds a pool of its own.
+class Pool {
+ public:
+  // fn(i) for i in [0, n): i = 0 on the calling thread; false (nothing run) if the pool is busy
+  bool run(int n, const std::function<void(int)>& fn) {
+    std::unique_lock<std::mutex> lk(busy_, std::try_to_lock);
+    if (!lk.owns_lock()) return false;
+    const uint64_t now = gen_.load(std::memory_order_relaxed);  // only this call changes it (busy_)
+    while (helpers_ + 1 < n) {
+      const int id = ++helpers_;
+      std::thread([this, id, now] { work(id, now); }).detach();
+    }
+    job_ = &fn;
+    parts_ = n;
+    pending_.store(helpers_, std::memory_order_relaxed);
+    {
+      std::lock_guard<std::mutex> g(m_);
+      gen_.fetch_add(1, std::memory_order_release);
+    }
+    cv_.notify_all();
+    fn(0);
+    while (pending_.load(std::memory_order_acquire) != 0) _mm_pause();
+    return true;
+  }
+
+ private:
+  void work(int id, uint64_t seen) {  // seen: the generation before the call that created it
+    for (;;) {
+      uint64_t g = gen_.load(std::memory_order_acquire);
+      if (g == seen) {
+        const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(g_spin_us);
+        int k = 0;
+        while ((g = gen_.load(std::memory_order_acquire)) == seen) {
+          _mm_pause();
+          if (++k % 64 == 0 && std::chrono::steady_clock::now() > until) {
+            std::unique_lock<std::mutex> lk(m_);
+            cv_.wait(lk, [&] { return gen_.load(std::memory_order_acquire) != seen; });
+          }
+        }
+      }
+      seen = g;
+      if (id < parts_) (*job_)(id);
+      pending_.fetch_sub(1, std::memory_order_acq_rel);
+    }
+  }
+
+  std::mutex busy_, m_;
+  std::condition_variable cv_;
+  std::atomic<uint64_t> gen_{1};
+  std::atomic<int> pending_{0};
+  int helpers_ = 0;
+  int parts_ = 0;
+  const std::function<void(int)>* job_ = nullptr;
+};
+
+static Pool& pool() {
+  static std::mutex guard;
+  static Pool* p = nullptr;
+  static pid_t owner = 0;
+  std::lock_guard<std::mutex> g(guard);
+  if (p == nullptr || owner != getpid()) p = new Pool(), owner = getpid();
+  return *p;
+}
 
 template <typename T>
 struct AlignedBuf {  // grows only; 64-byte aligned
@@ -776,19 +860,16 @@ static ffi::Error impl(bool nk, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> co
   };
   const int T = tile_width(isa, nk);
   const int64_t ntiles = (N + T - 1) / T;
-  // a second thread only pays for large calls (prefill): smaller ones run on the calling thread
-  const int64_t want = M * K * N >= g_min_par_work ? threads : 1;
+  const int64_t want = M >= g_min_par_rows ? threads : 1;
   const int nthr = (int)std::max<int64_t>(1, std::min<int64_t>(want, ntiles));
   if (nthr == 1) {
     run(0, (int)N);
     return ffi::Error::Success();
   }
   // contiguous ranges of whole tiles; each thread has its own scratch, writes its own columns
-  std::vector<std::thread> pool;
   auto bound = [&](int i) { return (int)std::min<int64_t>(N, (ntiles * i / nthr) * T); };
-  for (int i = 1; i < nthr; ++i) pool.emplace_back(run, bound(i), bound(i + 1));
-  run(0, bound(1));
-  for (auto& t : pool) t.join();
+  const std::function<void(int)> part = [&](int i) { run(bound(i), bound(i + 1)); };
+  if (!pool().run(nthr, part)) run(0, (int)N);  // the pool is busy: this thread does it all
   return ffi::Error::Success();
 }
 

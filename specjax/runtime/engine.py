@@ -8,10 +8,12 @@ rounds — nothing recompiles per request. A free slot is a row that is ``done``
 change). Each :meth:`Engine.step`:
 
 1. ends cancelled requests (their slot is marked done and is free at once);
-2. admits queued requests into free slots, about one prefill chunk (:data:`ADMIT_TOKENS`) of
-   prompt per step: each is prefilled alone (batch 1, its prompt bucket; a prompt longer than a
-   chunk one chunk per step, :func:`~specjax.runtime.prefill.prompt_chunk`, so running rows wait
-   at most one chunk) and its row is written into the slot (:func:`insert_row`), with
+2. admits queued requests into free slots, at most :data:`ADMIT_TOKENS` prompt tokens per step
+   while requests run (one prefill chunk, :data:`~specjax.runtime.prefill.PREFILL_CHUNK`, when
+   none does): each is prefilled alone (batch 1, its prompt bucket; a longer prompt piece by piece
+   over the next steps, :func:`~specjax.runtime.prefill.prompt_piece`, bit for bit its one-call
+   prefill, so running rows wait for at most one piece) and its row is written into the slot
+   (:func:`insert_row`), with
    ``first_round`` = the batch's round so its draws are ``fold_in(key, j)`` for its own j-th round;
 3. runs ``rounds_per_chunk`` rounds over all slots (:func:`~specjax.runtime.loop.run_rounds`);
 4. reads the newly committed tokens (and log-probabilities) of the running rows and returns
@@ -41,13 +43,16 @@ import numpy as np
 from specjax.core.sampling import Sampling, SamplingParams
 from specjax.models.llama import KVCache
 from specjax.runtime.decoder import SEED_LIMIT, Decoder, kv_views, prompt_bucket, request_keys, view_for
-from specjax.runtime.prefill import PREFILL_CHUNK, prefill_jit, prefill_program, prompt_chunk_jit, size_for_gamma
+from specjax.runtime.prefill import PREFILL_CHUNK, prefill_jit, prefill_program, prompt_piece_jit, size_for_gamma
 from specjax.runtime.results import RowStats, host_result
 from specjax.runtime.spec_policy import SPECULATION, AutoSpeculation
 
 _PINNED = object()  # a chunk whose rows cannot switch method (a sampled request runs)
 ENGINE_STOP_IDS = 16  # stop-id slots per row (the model's EOS ids + a request's stop token ids)
-ADMIT_TOKENS = PREFILL_CHUNK  # prompt tokens prefilled per step (a longer prompt: one chunk per step; bounds the stall)
+# prompt tokens prefilled per step while requests run (a longer prompt: one piece of this many per step), so a
+# running stream waits for at most one piece: measured (int8, 2 cores) ≈ 0.4–1.5 s for a 512-token chunk of a
+# 2,000-token prompt, ≈ 8× less for 64; divides PREFILL_CHUNK (pieces never straddle a chunk's key spans)
+ADMIT_TOKENS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,16 +112,16 @@ class _Running:
 
 @dataclasses.dataclass
 class _Admitting:
-    """A request whose prompt (longer than one prefill chunk) is prefilled one chunk per step
-    into its own one-row cache before it joins a slot (the lowest free one then: nothing else is
-    admitted meanwhile, so one is free)."""
+    """A request whose prompt (longer than one step's admission) is prefilled piece by piece, one
+    piece per step, into its own one-row cache before it joins a slot (the lowest free one then:
+    nothing else is admitted meanwhile, so one is free)."""
     rid: int
     req: EngineRequest
     seed: int
     prompt: jax.Array  # [1, P] padded prompt
     cache: KVCache
     hidden: jax.Array  # [1, P, F]
-    done_chunks: int = 0
+    done: int = 0  # prompt-bucket tokens prefilled so far
 
 
 def insert_row(state, row, slot, speculate):
@@ -476,11 +481,10 @@ class Engine:
         return np.asarray(st.lengths), np.asarray(st.stats.target_calls), int(np.asarray(st.round))
 
     def _admit(self, st):
-        """Admit queued requests into free slots, about :data:`ADMIT_TOKENS` prompt tokens per
-        step: short prompts are prefilled at once (several per step), a prompt longer than one
-        prefill chunk one chunk per step (:meth:`_advance`), so a long admission never stalls the
-        running rows for more than a chunk."""
-        budget = ADMIT_TOKENS
+        """Admit queued requests into free slots, at most :meth:`_step_tokens` prompt tokens per step:
+        short prompts are prefilled at once (several per step), a longer one piece by piece
+        (:meth:`_advance`), so an admission never stalls the running rows for more than a piece."""
+        limit = budget = self._step_tokens()
         if self._admitting is not None:
             st, budget = self._advance(st), 0
         while budget > 0:
@@ -489,11 +493,11 @@ class Engine:
                 if not free or not self._queue:
                     break
                 n = len(self._queue[0][1].prompt)
-                if budget < ADMIT_TOKENS and (n > budget or n > PREFILL_CHUNK):  # the next step takes it
+                if budget < limit and n > budget:  # the next step takes it
                     break
                 rid, req, seed = self._queue.popleft()
             slot = free[0]
-            if len(req.prompt) > PREFILL_CHUNK:
+            if n > limit:
                 self._admitting = self._start_admission(rid, req, seed)
                 return self._advance(st)
             budget -= len(req.prompt)
@@ -509,8 +513,13 @@ class Engine:
             self._speculating[slot] = bool(req.speculative)
         return st
 
+    def _step_tokens(self) -> int:
+        """Prompt tokens one step may prefill: :data:`ADMIT_TOKENS` while requests run (their wait),
+        else a whole prefill chunk (nobody waits)."""
+        return ADMIT_TOKENS if self._slots else PREFILL_CHUNK
+
     def _start_admission(self, rid, req, seed) -> _Admitting:
-        p = prompt_bucket(len(req.prompt), self.decoder.prompt_bucket)  # a multiple of PREFILL_CHUNK here
+        p = prompt_bucket(len(req.prompt), self.decoder.prompt_bucket)  # a multiple of every piece size
         arr = np.zeros((1, p), np.int32)
         arr[0, : len(req.prompt)] = list(req.prompt)
         cfg = self.decoder.target.config
@@ -519,14 +528,19 @@ class Engine:
         return _Admitting(rid, req, seed, jax.device_put(arr), cache, hidden)
 
     def _advance(self, st):
-        """One prefill chunk of the request being admitted; after its last chunk, the rest of its
-        prefill (:func:`~specjax.runtime.prefill.prefill` with ``forward=``) and its insertion."""
+        """One piece of the prompt being admitted (:meth:`_step_tokens` tokens, a whole chunk only
+        where one starts); after its last piece, the rest of its prefill
+        (:func:`~specjax.runtime.prefill.prefill` with ``forward=``) and its insertion."""
         a = self._admitting
         tparams = self.decoder.target.params
-        a.cache, a.hidden = prompt_chunk_jit(self._sprog, tparams, a.prompt, a.cache, a.hidden,
-                                             jnp.int32(a.done_chunks))
-        a.done_chunks += 1
-        if a.done_chunks * PREFILL_CHUNK < a.prompt.shape[1]:
+        p = a.prompt.shape[1]
+        n = min(self._step_tokens(), p)
+        if n == PREFILL_CHUNK and (a.done % n or p - a.done < n):
+            n = ADMIT_TOKENS  # a chunk's piece only at a chunk's start
+        a.cache, a.hidden = prompt_piece_jit(self._sprog, tparams, a.prompt, a.cache, a.hidden,
+                                             jnp.int32(a.done), n)
+        a.done += n
+        if a.done < p:
             return st
         self._admitting = None
         row = self._row_state(list(a.req.prompt), a.req.max_new_tokens, a.seed, a.req.sampling,

@@ -50,10 +50,19 @@ def prompt_forward(prog: Program, tparams, prompt, cache):
 def _chunk_forward(prog: Program, tparams, prompt, cache, i):
     """The target over chunk ``i`` (:data:`PREFILL_CHUNK` tokens) of ``prompt [U, P]``: ``(hidden or
     features [U, c, ·], cache with the chunk's K/V)``."""
+    return _piece_forward(prog, tparams, prompt, cache, i * PREFILL_CHUNK, PREFILL_CHUNK)
+
+
+def _piece_forward(prog: Program, tparams, prompt, cache, start, n: int):
+    """The target over prompt tokens ``start .. start + n − 1`` of ``prompt [U, P]`` (``n`` static):
+    ``(hidden or features [U, n, ·], cache with their K/V)``. Each query's computation does not
+    depend on which other queries share the call (the projections and attention dots are row-count
+    independent; the key spans read are :data:`PREFILL_CHUNK`-sized whatever ``n``), so pieces of a
+    chunk give the chunk's bits (tests/test_engine.py)."""
     u, c = prompt.shape[0], PREFILL_CHUNK
-    toks = jax.lax.dynamic_slice_in_dim(prompt, i * c, c, axis=1)
-    pos = jnp.broadcast_to(i * c + jnp.arange(c, dtype=jnp.int32), (u, c))
-    span = c if SKIP_MASKED_KEYS and _valid_span(c) else None
+    toks = jax.lax.dynamic_slice_in_dim(prompt, start, n, axis=1)
+    pos = jnp.broadcast_to(start + jnp.arange(n, dtype=jnp.int32), (u, n))
+    span = c if SKIP_MASKED_KEYS and _valid_span(c) and cache.max_len >= c else None
     return llama.forward(prog.graphdef, tparams, toks, pos, cache, prog.cfg, key_span=span, **prog.feature_args)
 
 
@@ -64,14 +73,15 @@ def _valid_span(c: int) -> bool:
     return c % llama.ATTENTION_BLOCK == 0 and r > 0 and r & (r - 1) == 0
 
 
-def prompt_chunk(prog: Program, tparams, prompt, cache, hidden, i):
-    """One chunk of :func:`prompt_forward`'s scan, as its own call (the engine interleaves a long
-    prompt's prefill with decode steps, :mod:`specjax.runtime.engine`): chunk ``i`` of ``prompt [U, P]``
-    (P a multiple of :data:`PREFILL_CHUNK`) into ``cache``, its hidden states written into
-    ``hidden [U, P, ·]``. Returns ``(cache, hidden)``; after the last chunk they are what
-    :func:`prompt_forward` returns (``forward=`` of :func:`prefill`)."""
-    h, cache = _chunk_forward(prog, tparams, prompt, cache, i)
-    return cache, jax.lax.dynamic_update_slice_in_dim(hidden, h.astype(hidden.dtype), i * PREFILL_CHUNK, axis=1)
+def prompt_piece(prog: Program, tparams, prompt, cache, hidden, start, n: int):
+    """Part of :func:`prompt_forward` as its own call (the engine interleaves a prompt's prefill with
+    decode steps, :mod:`specjax.runtime.engine`): tokens ``start .. start + n − 1`` of ``prompt
+    [U, P]`` into ``cache``, their hidden states written into ``hidden [U, P, ·]`` (``n`` static,
+    dividing :data:`PREFILL_CHUNK` or a multiple of it, ``start`` a multiple of ``n``). Returns
+    ``(cache, hidden)``; once every piece of the prompt bucket has run, they are what
+    :func:`prompt_forward` returns (``forward=`` of :func:`prefill`), bit for bit."""
+    h, cache = _piece_forward(prog, tparams, prompt, cache, start, n)
+    return cache, jax.lax.dynamic_update_slice_in_dim(hidden, h.astype(hidden.dtype), start, axis=1)
 
 
 def prefill(prog: Program, tparams, dparams, prompt, prompt_lengths, max_new, eos, keys, sampling,
@@ -85,7 +95,7 @@ def prefill(prog: Program, tparams, dparams, prompt, prompt_lengths, max_new, eo
     (n samples of one prompt cost one prefill: :func:`specjax.runtime.decoder.shared_prompts`). The
     prefill draws nothing (the first new token is sampled by the first round), so sharing changes no
     row's randomness. ``forward``: ``(hidden, cache)`` of the prompt computed already (by
-    :func:`prompt_chunk` calls; no ``shared``), instead of :func:`prompt_forward` here."""
+    :func:`prompt_piece` calls; no ``shared``), instead of :func:`prompt_forward` here."""
     b = prompt_lengths.shape[0]
     uprompt = prompt
     if shared is not None:
@@ -164,4 +174,4 @@ def size_for_gamma(st: DecodeState, prog: Program) -> DecodeState:
 
 
 prefill_jit = jax.jit(prefill, static_argnums=0)
-prompt_chunk_jit = jax.jit(prompt_chunk, static_argnums=0, donate_argnums=(3, 4))
+prompt_piece_jit = jax.jit(prompt_piece, static_argnums=(0, 6), donate_argnums=(3, 4))
