@@ -125,3 +125,21 @@ def test_peak_bandwidth_table(device):
     cpu = device.peak_bandwidth("cpu", "cpu", None)
     assert cpu["bytes_per_s"] is None and "not meaningful" in cpu["note"]
     assert device.peak_bandwidth("cpu", "cpu", 0.5)["bytes_per_s"] == 0.5e12
+
+
+def test_bandwidth_measure_and_dtype_options(device):
+    """``--bandwidth measure`` takes the device's read rate (a positive, finite bytes/s with its
+    source); a bandwidth that is not a positive number, or an unknown ``--dtype``, is refused by the
+    parser with one message naming the value; ``--dtype float32`` reaches the settings."""
+    m = device.measured_bandwidth(gib=1 / 64, repeats=2)
+    assert _positive(m)
+    bw = device.peak_bandwidth("cpu", "cpu", "measure")
+    assert _positive(bw["bytes_per_s"]) and bw["source"].startswith("measured")
+    for bad in ("fast", "0", "-1"):
+        with pytest.raises(SystemExit):
+            device.parse_args(["--out", "x.json", "--bandwidth", bad])
+    with pytest.raises(SystemExit):
+        device.parse_args(["--out", "x.json", "--dtype", "int4"])
+    a = device.parse_args(["--out", "x.json", "--dtype", "float32", "--bandwidth", "measure"])
+    assert a.dtype == "float32" and a.bandwidth == "measure"
+    assert device.parse_args(["--out", "x.json", "--bandwidth", "2.5"]).bandwidth == 2.5
