@@ -68,7 +68,7 @@ def main():
     chunk, piece = engine_mod.PREFILL_CHUNK, engine_mod.ADMIT_TOKENS
     modes = (("whole prompt in one step (turn 13)", 10 ** 9, 10 ** 9),
              ("one 512-token chunk per step (turns 14-19)", chunk, chunk),
-             (f"one {piece}-token piece per step while others run (now)", chunk, piece))
+             (f"{piece}-token pieces while others run, one per step per waiting request (now)", chunk, piece))
     for mode, limit, admit in modes[args.skip:]:
         engine_mod.PREFILL_CHUNK, engine_mod.ADMIT_TOKENS = limit, admit
         eng = Engine(Decoder(target), slots=4, max_context=2304, max_logprobs=None)

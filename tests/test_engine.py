@@ -249,12 +249,13 @@ def test_attention_views_give_the_full_buffers_tokens(fmt, setup, monkeypatch):
     assert [dict(s) for s in viewed.stats] == [dict(s) for s in full.stats]
 
 
-@pytest.mark.parametrize("chunk", [32, 64])
-def test_long_prompts_are_admitted_piece_by_piece(monkeypatch, chunk):
-    """While requests run, a prompt longer than ADMIT_TOKENS is prefilled one piece per engine step
-    (running rows wait at most a piece; here pieces of 16 and chunks of 32 or 64 tokens stand for the
-    64 and 512 of a real server; 64, a power-of-two number of attention blocks, reads only the key spans
-    each chunk sees, 32 the whole buffer); an idle engine takes a whole chunk per step. Its tokens still
+@pytest.mark.parametrize("chunk,per_step", [(32, 1), (64, 3)])
+def test_long_prompts_are_admitted_piece_by_piece(monkeypatch, chunk, per_step):
+    """While requests run, a prompt longer than ADMIT_TOKENS is prefilled in pieces, one or three per
+    engine step as the measured times allow (running rows wait at most that; here pieces of 16 and
+    chunks of 32 or 64 tokens stand for the 64 and 512 of a real server; 64, a power-of-two number of
+    attention blocks, reads only the key spans each chunk sees, 32 the whole buffer); an idle engine
+    takes a whole chunk per step. Its tokens still
     equal its alone run, whose prefill is one call (prompts of one chunk or less: 45 tokens) or the
     chunks in one scan (70, 100), so the pieces give those calls' bits; and a request cancelled while
     its prompt is being prefilled frees its slot."""
@@ -263,6 +264,9 @@ def test_long_prompts_are_admitted_piece_by_piece(monkeypatch, chunk):
     for mod in (prefill_mod, engine_mod):
         monkeypatch.setattr(mod, "PREFILL_CHUNK", chunk)
     monkeypatch.setattr(engine_mod, "ADMIT_TOKENS", 16)
+    if per_step > 1:  # the budget the measured times would give when a decode chunk takes 3 pieces' time
+        real_budget = Engine._step_tokens
+        monkeypatch.setattr(Engine, "_step_tokens", lambda self: 16 * per_step if self._slots else real_budget(self))
     pieces = []
     real = engine_mod.prompt_piece_jit
     monkeypatch.setattr(engine_mod, "prompt_piece_jit", lambda *a: pieces.append(a[-1]) or real(*a))

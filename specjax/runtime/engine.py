@@ -49,10 +49,12 @@ from specjax.runtime.spec_policy import SPECULATION, AutoSpeculation
 
 _PINNED = object()  # a chunk whose rows cannot switch method (a sampled request runs)
 ENGINE_STOP_IDS = 16  # stop-id slots per row (the model's EOS ids + a request's stop token ids)
-# prompt tokens prefilled per step while requests run (a longer prompt: one piece of this many per step), so a
-# running stream waits for at most one piece: measured (int8, 2 cores) ≈ 0.4–1.5 s for a 512-token chunk of a
-# 2,000-token prompt, ≈ 8× less for 64; divides PREFILL_CHUNK (pieces never straddle a chunk's key spans)
+# While requests run, prompts are prefilled in pieces of this many tokens (a power of two dividing PREFILL_CHUNK:
+# pieces never straddle a chunk's key spans): one per step per request waiting for a slot (at most
+# ADMIT_PIECES_MAX), so with one arrival a running stream's update waits for one piece (int8, 2 cores: a 512-token chunk of a
+# 2,000-token prompt ≈ 0.4–1.5 s; a 64-token piece ≈ 8× less)
 ADMIT_TOKENS = 64
+ADMIT_PIECES_MAX = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -345,7 +347,7 @@ class Engine:
     # ---- the decode side (one thread)
     def warmup(self, prompt_tokens: int = 512, all_rows: bool = False) -> float:
         """Compile (and run once, on a dummy prompt) the prefill of every prompt bucket up to
-        ``prompt_tokens`` (capped to the context), the insertion, ending and switching of a row, and
+        ``prompt_tokens`` (capped to the context) and its :data:`ADMIT_TOKENS` piece, the insertion, ending and switching of a row, and
         the chunk of rounds (speculative and plain) at every attention view, on one row and on every
         slot (:attr:`ladder`'s ends; ``all_rows``: every row count of the ladder); returns the seconds.
         Longer prompt buckets and the ladder's other row counts compile at their first use."""
@@ -359,6 +361,10 @@ class Engine:
         p, row = self.decoder.prompt_bucket, None
         while p <= min(int(prompt_tokens), self.context_limit - 1):
             row = self._row_state([0] * p, 1, 0, Sampling(), (), True)
+            if p > ADMIT_TOKENS:  # its piece program: a prompt of this bucket arriving while others run
+                a = self._start_admission(None, None, None, [0] * p)
+                jax.block_until_ready(prompt_piece_jit(self._sprog, self.decoder.target.params, a.prompt, a.cache,
+                                                       a.hidden, jnp.int32(0), ADMIT_TOKENS))
             p *= 2
         if row is not None:  # the small programs every request meets: insertion, end, switches, a row's read
             st = self._placed(_insert_jit(st, row, jnp.int32(0), jnp.bool_(True)))
@@ -481,25 +487,32 @@ class Engine:
         return np.asarray(st.lengths), np.asarray(st.stats.target_calls), int(np.asarray(st.round))
 
     def _admit(self, st):
-        """Admit queued requests into free slots, at most :meth:`_step_tokens` prompt tokens per step:
-        short prompts are prefilled at once (several per step), a longer one piece by piece
-        (:meth:`_advance`), so an admission never stalls the running rows for more than a piece."""
-        limit = budget = self._step_tokens()
-        if self._admitting is not None:
-            st, budget = self._advance(st), 0
-        while budget > 0:
+        """Admit queued requests into free slots, about :meth:`_step_tokens` prompt tokens per step:
+        a prompt of at most :data:`ADMIT_TOKENS` (at most a chunk when nothing runs) is prefilled at
+        once, a longer one piece by piece (:meth:`_advance`), so an admission stalls the running rows
+        for about one decode chunk per step at most."""
+        idle = not self._slots
+        full = budget = self._step_tokens()
+        while True:
+            if self._admitting is not None:
+                if budget < self._next_piece(self._admitting) and budget < full:  # at least one piece a step
+                    break
+                st, used = self._advance(st)
+                budget -= used
+                continue
             free = [s for s in range(self.slots) if s not in self._slots]
             with self._lock:
-                if not free or not self._queue:
+                if budget <= 0 or not free or not self._queue:
                     break
                 n = len(self._queue[0][1].prompt)
-                if budget < limit and n > budget:  # the next step takes it
+                big = n > (PREFILL_CHUNK if idle else ADMIT_TOKENS)
+                if not big and n > budget and budget < full:  # the next step takes it
                     break
                 rid, req, seed = self._queue.popleft()
             slot = free[0]
-            if n > limit:
+            if big:
                 self._admitting = self._start_admission(rid, req, seed)
-                return self._advance(st)
+                continue
             budget -= len(req.prompt)
             row = self._row_state(list(req.prompt), req.max_new_tokens, seed, req.sampling, req.stop_token_ids,
                                   req.ignore_eos)
@@ -514,39 +527,54 @@ class Engine:
         return st
 
     def _step_tokens(self) -> int:
-        """Prompt tokens one step may prefill: :data:`ADMIT_TOKENS` while requests run (their wait),
-        else a whole prefill chunk (nobody waits)."""
-        return ADMIT_TOKENS if self._slots else PREFILL_CHUNK
+        """Prompt tokens one step may prefill: while requests run, one :data:`ADMIT_TOKENS` piece per
+        request waiting for a free slot (at least one, at most :data:`ADMIT_PIECES_MAX`: a burst of
+        arrivals is admitted about as fast as whole prompts were, a lone long prompt one piece per
+        step); when nothing runs, a whole prefill chunk (nobody waits)."""
+        running = len(self._slots)
+        if not running:
+            return PREFILL_CHUNK
+        with self._lock:
+            queued = len(self._queue)
+        waiting = min(queued + (self._admitting is not None), self.slots - running)
+        return ADMIT_TOKENS * max(1, min(ADMIT_PIECES_MAX, waiting))
 
-    def _start_admission(self, rid, req, seed) -> _Admitting:
-        p = prompt_bucket(len(req.prompt), self.decoder.prompt_bucket)  # a multiple of every piece size
+    def _start_admission(self, rid, req, seed, prompt=None) -> _Admitting:
+        prompt = req.prompt if prompt is None else prompt
+        p = prompt_bucket(len(prompt), self.decoder.prompt_bucket)  # a multiple of every piece size
         arr = np.zeros((1, p), np.int32)
-        arr[0, : len(req.prompt)] = list(req.prompt)
+        arr[0, : len(prompt)] = list(prompt)
         cfg = self.decoder.target.config
         cache = KVCache.create(cfg, 1, self.prog.buffer_len, jnp.dtype(self.prog.cache_dtype))
         hidden = jnp.zeros((1, p, self._sprog.feature_size), jnp.float32)
         return _Admitting(rid, req, seed, jax.device_put(arr), cache, hidden)
 
+    def _next_piece(self, a: _Admitting) -> int:
+        """The next piece's tokens: a whole prefill chunk where one starts and nothing runs, else
+        :data:`ADMIT_TOKENS`."""
+        p = a.prompt.shape[1]
+        if not self._slots and a.done % PREFILL_CHUNK == 0 and p - a.done >= PREFILL_CHUNK:
+            return PREFILL_CHUNK
+        return ADMIT_TOKENS
+
     def _advance(self, st):
-        """One piece of the prompt being admitted (:meth:`_step_tokens` tokens, a whole chunk only
-        where one starts); after its last piece, the rest of its prefill
-        (:func:`~specjax.runtime.prefill.prefill` with ``forward=``) and its insertion."""
+        """One piece of the prompt being admitted — a whole prefill chunk where one starts and
+        nothing runs, else :data:`ADMIT_TOKENS` tokens; after its last
+        piece, the rest of its prefill (:func:`~specjax.runtime.prefill.prefill` with ``forward=``)
+        and its insertion. Returns ``(state, prompt tokens prefilled)``."""
         a = self._admitting
         tparams = self.decoder.target.params
-        p = a.prompt.shape[1]
-        n = min(self._step_tokens(), p)
-        if n == PREFILL_CHUNK and (a.done % n or p - a.done < n):
-            n = ADMIT_TOKENS  # a chunk's piece only at a chunk's start
+        p, n = a.prompt.shape[1], self._next_piece(a)
         a.cache, a.hidden = prompt_piece_jit(self._sprog, tparams, a.prompt, a.cache, a.hidden,
                                              jnp.int32(a.done), n)
         a.done += n
         if a.done < p:
-            return st
+            return st, n
         self._admitting = None
         row = self._row_state(list(a.req.prompt), a.req.max_new_tokens, a.seed, a.req.sampling,
                               a.req.stop_token_ids, a.req.ignore_eos, forward=(a.hidden, a.cache))
         slot = min(s for s in range(self.slots) if s not in self._slots)  # free since admission began (_admit
-        return self._insert(st, row, slot, a.rid, a.req, a.seed)          # admits nothing else meanwhile)
+        return self._insert(st, row, slot, a.rid, a.req, a.seed), n       # admits nothing else meanwhile)
 
     def _view(self, rows: int | None = None):
         """The attention view the next chunk starts in (:func:`kv_views`; ``None``: the whole buffer);
