@@ -19,8 +19,8 @@
 // Handlers: Q8BlockKN, Q8BlockNK: (x f32[M,K], codes u8, scale f32) -> y f32[M,N]; attribute
 // threads (int64): the most threads over N (1: the calling thread only); calls of fewer than
 // SPECJAX_Q8_MIN_PAR_ROWS rows (64) run on the calling thread whatever it says. The
-// other threads are a persistent pool (Pool below): they spin for SPECJAX_Q8_SPIN_US microseconds
-// after a call (a decode step's matmuls come microseconds apart), then sleep.
+// other threads are a persistent pool (Pool below) that sleeps between calls (SPECJAX_Q8_SPIN_US:
+// spin that long first; default 0).
 // K must be a multiple of 32 (the Python wrapper uses the jnp reference otherwise).
 
 #include <immintrin.h>
@@ -38,7 +38,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <thread>
-#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 

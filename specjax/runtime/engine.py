@@ -362,9 +362,9 @@ class Engine:
         while p <= min(int(prompt_tokens), self.context_limit - 1):
             row = self._row_state([0] * p, 1, 0, Sampling(), (), True)
             if p > ADMIT_TOKENS:  # its piece program: a prompt of this bucket arriving while others run
-                a = self._start_admission(None, None, None, [0] * p)
-                jax.block_until_ready(prompt_piece_jit(self._sprog, self.decoder.target.params, a.prompt, a.cache,
-                                                       a.hidden, jnp.int32(0), ADMIT_TOKENS))
+                arr, cache, hidden = self._piece_inputs([0] * p)
+                jax.block_until_ready(prompt_piece_jit(self._sprog, self.decoder.target.params, arr, cache, hidden,
+                                                       jnp.int32(0), ADMIT_TOKENS))
             p *= 2
         if row is not None:  # the small programs every request meets: insertion, end, switches, a row's read
             st = self._placed(_insert_jit(st, row, jnp.int32(0), jnp.bool_(True)))
@@ -539,15 +539,18 @@ class Engine:
         waiting = min(queued + (self._admitting is not None), self.slots - running)
         return ADMIT_TOKENS * max(1, min(ADMIT_PIECES_MAX, waiting))
 
-    def _start_admission(self, rid, req, seed, prompt=None) -> _Admitting:
-        prompt = req.prompt if prompt is None else prompt
-        p = prompt_bucket(len(prompt), self.decoder.prompt_bucket)  # a multiple of every piece size
+    def _start_admission(self, rid, req, seed) -> _Admitting:
+        return _Admitting(rid, req, seed, *self._piece_inputs(req.prompt))
+
+    def _piece_inputs(self, prompt):
+        """``(padded prompt [1, P], empty one-row cache, zero hidden [1, P, F])`` for
+        :func:`~specjax.runtime.prefill.prompt_piece` calls, P the prompt's bucket (a multiple of
+        every piece size)."""
+        p = prompt_bucket(len(prompt), self.decoder.prompt_bucket)
         arr = np.zeros((1, p), np.int32)
         arr[0, : len(prompt)] = list(prompt)
-        cfg = self.decoder.target.config
-        cache = KVCache.create(cfg, 1, self.prog.buffer_len, jnp.dtype(self.prog.cache_dtype))
-        hidden = jnp.zeros((1, p, self._sprog.feature_size), jnp.float32)
-        return _Admitting(rid, req, seed, jax.device_put(arr), cache, hidden)
+        cache = KVCache.create(self.decoder.target.config, 1, self.prog.buffer_len, jnp.dtype(self.prog.cache_dtype))
+        return jax.device_put(arr), cache, jnp.zeros((1, p, self._sprog.feature_size), jnp.float32)
 
     def _next_piece(self, a: _Admitting) -> int:
         """The next piece's tokens: a whole prefill chunk where one starts and nothing runs, else
@@ -558,10 +561,9 @@ class Engine:
         return ADMIT_TOKENS
 
     def _advance(self, st):
-        """One piece of the prompt being admitted — a whole prefill chunk where one starts and
-        nothing runs, else :data:`ADMIT_TOKENS` tokens; after its last
-        piece, the rest of its prefill (:func:`~specjax.runtime.prefill.prefill` with ``forward=``)
-        and its insertion. Returns ``(state, prompt tokens prefilled)``."""
+        """One piece of the prompt being admitted (:meth:`_next_piece`); after its last piece, the
+        rest of its prefill (:func:`~specjax.runtime.prefill.prefill` with ``forward=``) and its
+        insertion. Returns ``(state, prompt tokens prefilled)``."""
         a = self._admitting
         tparams = self.decoder.target.params
         p, n = a.prompt.shape[1], self._next_piece(a)
