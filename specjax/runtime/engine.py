@@ -355,6 +355,8 @@ class Engine:
         st = self._ensure_state()
         for rows in self.ladder if all_rows else sorted({self.ladder[0], self.slots}):  # one request; a full house
             args = self.decoder._run_args(st if rows == self.slots else _head_jit(st, rows), 0)
+            if rows != self.slots:  # the chunk's write-back (compiled here, not in the first burst of traffic)
+                st = self._placed(_put_head_jit(st, _head_jit(st, rows)))
             for prog in (self.prog, self._plain):
                 for v in kv_views(self.prog.buffer_len) + [None] if prog is not None else []:  # every view's program
                     self.decoder._get("run", dataclasses.replace(prog, kv_view=v), args)
@@ -370,6 +372,8 @@ class Engine:
             st = self._placed(_insert_jit(st, row, jnp.int32(0), jnp.bool_(True)))
             st = self._placed(_end_jit(st, jax.device_put(np.ones(self.slots, bool))))
             st = self._placed(_speculate_jit(st, jax.device_put(np.ones(self.slots, bool))))
+            if len(self.ladder) > 1:  # the compaction (1.5-3 s to compile: not mid-traffic)
+                st = self._placed(_permute_jit(st, jax.device_put(np.arange(self.slots, dtype=np.int32))))
             if st.logprobs is not None:
                 _row_jit(st.logprobs, jnp.int32(0))
         self._state = jax.block_until_ready(st)
@@ -472,7 +476,7 @@ class Engine:
             rows = self._rows()
             st, plain, view = self._policy(st, rows)
             before = None if view is _PINNED else self._counters(st)
-            st, seconds = self._run_chunk(st, self.rounds_per_chunk, plain, rows)
+            st, seconds = self._run_chunk(st, self._chunk_rounds(plain, rows), plain, rows)
             if before is not None:  # the auto policy's measurement (its rows could switch)
                 rows = list(self._slots)
                 (l0, c0, r0), (l1, c1, r1) = before, self._counters(st)
@@ -480,6 +484,19 @@ class Engine:
                                   int((c1 - c0)[rows].sum()))
         self._state = st
         return updates + self._report(st, set(ending))
+
+    def _chunk_rounds(self, plain: bool, rows: int | None) -> int:
+        """Rounds in the next chunk: ``rounds_per_chunk``; but while a request waits for admission, a
+        speculative chunk under the auto policy lasts about as long as ``rounds_per_chunk`` plain
+        rounds would (``rounds_per_chunk · t_plain / t_spec`` of the measured seconds per round, at
+        least 1): admission advances once per chunk, so longer chunks would delay the waiting requests'
+        first tokens and leave their slots empty. The tokens do not depend on where chunks end."""
+        n = self.rounds_per_chunk
+        if plain or self._auto is None or not (self._queue or self._admitting is not None):
+            return n
+        key = self._view(rows)
+        ts, tp = self._auto.t_spec.get(key), self._auto.t_plain.get(key)
+        return n if not ts or not tp else max(1, min(n, round(n * tp / ts)))
 
     @staticmethod
     def _counters(st):
