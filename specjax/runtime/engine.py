@@ -203,7 +203,9 @@ class Engine:
 
     ``max_context``: tokens one request may hold (prompt + new); default the decoder's context.
     Every slot's buffer (and KV cache) holds this many, so it sets memory and the attention
-    cost of every round. ``rounds_per_chunk``: rounds between admissions and updates.
+    cost of every round. ``rounds_per_chunk``: rounds between admissions and updates (under the auto
+    policy, while a request waits, a speculative chunk runs about the time of that many plain
+    rounds: :meth:`_chunk_rounds`).
     ``max_logprobs``: the most top alternatives a request may ask for (the programs record this
     many for every row and each request gets its own count); ``None``: log-probabilities off.
     Speculation under load: a chunk in which no running row speculates runs the ``plain``
