@@ -319,3 +319,29 @@ def test_auto_speculation_measures_both_programs_and_keeps_tokens():
     assert b.plain(256)  # then its plain one
     with pytest.raises(ValueError, match="speculation must be one of"):
         Engine(dec, slots=2, max_context=160, speculation="sometimes")
+
+
+def test_speculative_chunks_are_paced_to_plain_ones_only_while_a_request_waits():
+    """Engine._chunk_rounds: rounds_per_chunk · t_plain / t_spec (at least 1, at most rounds_per_chunk)
+    for a speculative chunk under auto while a request is queued or being admitted; rounds_per_chunk
+    otherwise (plain chunks, nobody waiting, either cost unmeasured, no auto policy)."""
+    import types
+
+    from specjax.runtime.spec_policy import AutoSpeculation
+
+    key = (8, 256)
+
+    def fake(t_spec, t_plain, queue=(), admitting=None, auto=True):
+        a = AutoSpeculation(t_spec=dict(t_spec), t_plain=dict(t_plain)) if auto else None
+        return types.SimpleNamespace(rounds_per_chunk=4, _auto=a, _queue=list(queue), _admitting=admitting,
+                                     _view=lambda rows: key)
+
+    rounds = Engine._chunk_rounds
+    assert rounds(fake({key: 0.2}, {key: 0.1}, queue=[1]), False, 8) == 2  # 4 · 0.1 / 0.2
+    assert rounds(fake({key: 0.2}, {key: 0.1}, admitting=object()), False, 8) == 2
+    assert rounds(fake({key: 1.0}, {key: 0.1}, queue=[1]), False, 8) == 1  # at least one round
+    assert rounds(fake({key: 0.1}, {key: 0.3}, queue=[1]), False, 8) == 4  # never more than rounds_per_chunk
+    assert rounds(fake({key: 0.2}, {key: 0.1}, queue=[1]), True, 8) == 4  # a plain chunk
+    assert rounds(fake({key: 0.2}, {key: 0.1}), False, 8) == 4  # nobody waits
+    assert rounds(fake({key: 0.2}, {}, queue=[1]), False, 8) == 4  # plain cost unmeasured
+    assert rounds(fake({}, {}, queue=[1], auto=False), False, 8) == 4  # speculation="always"
