@@ -37,8 +37,9 @@ def _buffer_len(n: int) -> int:
     buffer that is not (a copy of every layer's cache at every step, ≈ 10 % of a batch-64 step);
     the slots added are never visible, so the tokens are the same."""
     from specjax.models.llama import ATTENTION_BLOCK
+    from specjax.runtime.decoder import round_up
 
-    return -(-n // ATTENTION_BLOCK) * ATTENTION_BLOCK
+    return round_up(n, ATTENTION_BLOCK)
 
 
 def _gen_fn(target, prompt_len: int, max_new: int, topk: int, feature_layers: tuple[int, ...] = ()):
