@@ -22,9 +22,7 @@ GGUF Q4_0 / Q4_1 / Q8_0 weights are exact, the only error is the activations'. E
 bitwise independent of M, of the other rows and of the kernel's threads (they split N only).
 
 The kernel (``q8block.cc``, shipped with the package) is compiled on first use with the system C++
-compiler into ``<cache dir>/kernels/<sha256 of source, flags, compiler, jax version>/libq8block.so``
-(:func:`build`; not turned off by ``SPECJAX_NO_CACHE``: a build keyed by its source is not a
-measurement). Where it cannot be built or run (no compiler, not x86-64, a backend other than CPU,
+compiler into the cache directory (:func:`build`, :mod:`specjax.models.kernels`). Where it cannot be built or run (no compiler, not x86-64, a backend other than CPU,
 K not a multiple of 32), :func:`block_matmul` is :func:`block_matmul_ref` (jnp), bitwise the same
 as the kernel on CPU.
 """
@@ -33,12 +31,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 
 import jax
@@ -46,13 +39,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.core import notes
-from specjax.core.paths import cache_dir
+from specjax.models import kernels
 
 BLOCK = 32
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "q8block.cc")
 LIB_NAME = "libq8block.so"
-CXX_FLAGS = ("-O3", "-shared", "-fPIC", "-std=c++17", "-ffp-contract=off", "-Wno-attributes",
-             "-Wno-ignored-attributes")
 TARGETS = {False: "specjax_q8block_kn", True: "specjax_q8block_nk"}
 ISAS = ("scalar", "avx2", "avx512vnni")
 
@@ -76,70 +67,10 @@ DEFAULT_THREADS = _default_threads()
 
 
 # ------------------------------------------------------------------ build / load
-def _compiler() -> str | None:
-    for name in (os.environ.get("CXX"), "g++", "c++"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
-
-
-def _compiler_id(cxx: str) -> str:
-    try:
-        return subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return cxx
-
-
-def _key(cxx: str, source: bytes) -> str:
-    h = hashlib.sha256()
-    for part in (source, " ".join(CXX_FLAGS).encode(), _compiler_id(cxx).encode(), jax.__version__.encode()):
-        h.update(part + b"\0")
-    return h.hexdigest()
-
-
-def _compile(cxx: str, out_dir: str) -> str:
-    """Compile into ``out_dir``/libq8block.so atomically (a temporary name in the same directory,
-    then ``os.replace``); returns the path. Raises RuntimeError / OSError."""
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, LIB_NAME)
-    fd, tmp = tempfile.mkstemp(prefix="." + LIB_NAME + ".", suffix=".tmp", dir=out_dir)
-    os.close(fd)
-    try:
-        cmd = [cxx, *CXX_FLAGS, f"-I{jax.ffi.include_dir()}", SOURCE, "-o", tmp]
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        if r.returncode != 0:
-            err = " ".join(line for line in r.stderr.splitlines() if "error" in line)[:300]
-            raise RuntimeError(f"{os.path.basename(cxx)} failed ({r.returncode}): {err or r.stderr[-300:]}")
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
-
-
 def build() -> str:
-    """The path of the compiled kernel: reused from the cache directory, else compiled there (or,
-    when it is not writable, into a temporary directory of this process). Raises RuntimeError with
-    the reason when it cannot be built."""
-    if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
-        raise RuntimeError(f"the kernel is for x86-64 Linux (this is {platform.system()} {platform.machine()})")
-    cxx = _compiler()
-    if cxx is None:
-        raise RuntimeError("no C++ compiler (g++ / c++ / $CXX) found")
-    try:
-        with open(SOURCE, "rb") as f:
-            source = f.read()
-    except OSError as e:
-        raise RuntimeError(f"kernel source missing: {e}") from None
-    d = os.path.join(cache_dir(), "kernels", _key(cxx, source))
-    path = os.path.join(d, LIB_NAME)
-    if os.path.exists(path):
-        return path
-    try:
-        return _compile(cxx, d)
-    except OSError:  # the cache is not writable: build for this process only
-        return _compile(cxx, tempfile.mkdtemp(prefix="specjax-kernels-"))
+    """The path of the compiled kernel (:func:`specjax.models.kernels.build`: reused from the cache
+    directory, else compiled there). Raises RuntimeError with the reason when it cannot be built."""
+    return kernels.build(SOURCE, LIB_NAME)
 
 
 _LOAD_LOCK = threading.Lock()
@@ -207,8 +138,7 @@ def join_build() -> None:
 def buildable() -> bool:
     """Whether :func:`build` would compile here (x86-64 Linux, a C++ compiler, the source), without
     building."""
-    return (platform.system() == "Linux" and platform.machine().lower() in ("x86_64", "amd64")
-            and _compiler() is not None and os.path.exists(SOURCE))
+    return kernels.buildable(SOURCE)
 
 
 def expected() -> bool:

@@ -19,7 +19,7 @@
 // Handlers: Q8BlockKN, Q8BlockNK: (x f32[M,K], codes u8, scale f32) -> y f32[M,N]; attribute
 // threads (int64): the most threads over N (1: the calling thread only); calls of fewer than
 // SPECJAX_Q8_MIN_PAR_ROWS rows (64) run on the calling thread whatever it says. The
-// other threads are a persistent pool (Pool below) that sleeps between calls (SPECJAX_Q8_SPIN_US:
+// other threads are a persistent pool (cpu_pool.h) that sleeps between calls (SPECJAX_Q8_SPIN_US:
 // spin that long first; default 0).
 // K must be a multiple of 32 (the Python wrapper uses the jnp reference otherwise).
 
@@ -41,9 +41,15 @@
 
 #include "xla/ffi/api/ffi.h"
 
+#include "cpu_pool.h"
+
 namespace ffi = xla::ffi;
 
 namespace {
+
+using specjax_cpu::AlignedBuf;
+using specjax_cpu::env_int;
+using specjax_cpu::pool;
 
 constexpr int kB = 32;  // inputs per block
 
@@ -65,10 +71,6 @@ static Isa best_isa() {
 
 static const Isa g_best = best_isa();
 static Isa g_isa = g_best;
-static int env_int(const char* name, int dflt) {
-  const char* v = std::getenv(name);
-  return v ? std::atoi(v) : dflt;
-}
 // Tuning knobs (environment, read once at load; measured on a 2-core Zen 4; none changes a result):
 // KN (VNNI): a chunk spanning whole rows prefetches the next block's rows (and d, m) into L2;
 // a narrower chunk prefetches the tile SPECJAX_Q8_PF tiles ahead. The permuted y of a chunk
@@ -88,93 +90,6 @@ static const int g_pfb = env_int("SPECJAX_Q8_PFB", 2);
 // calls; 56.4 with it sleeping at once): a split halves each KN code row's contiguous run, and a
 // helper that spins takes a core from XLA's own threads between the kernel's calls.
 static const int64_t g_min_par_rows = env_int("SPECJAX_Q8_MIN_PAR_ROWS", 64);
-// helpers spin this long for the next call before they sleep on a condition variable (0: sleep at
-// once; the calls that split take milliseconds, a wake-up microseconds)
-static const int64_t g_spin_us = env_int("SPECJAX_Q8_SPIN_US", 0);
-
-// ------------------------------------------------------------------ the helper threads
-// One call at a time splits its columns over the calling thread (part 0) and helpers 1..n-1; a call
-// that finds the pool busy (another XLA thread's kernel) runs on its own thread. Helpers are created
-// on first use and never destroyed (the pool is leaked, so no static destructor races a sleeping
-// helper at exit); a forked child (its pid differs) builds a pool of its own.
-class Pool {
- public:
-  // fn(i) for i in [0, n): i = 0 on the calling thread; false (nothing run) if the pool is busy
-  bool run(int n, const std::function<void(int)>& fn) {
-    std::unique_lock<std::mutex> lk(busy_, std::try_to_lock);
-    if (!lk.owns_lock()) return false;
-    const uint64_t now = gen_.load(std::memory_order_relaxed);  // only this call changes it (busy_)
-    while (helpers_ + 1 < n) {
-      const int id = ++helpers_;
-      std::thread([this, id, now] { work(id, now); }).detach();
-    }
-    job_ = &fn;
-    parts_ = n;
-    pending_.store(helpers_, std::memory_order_relaxed);
-    {
-      std::lock_guard<std::mutex> g(m_);
-      gen_.fetch_add(1, std::memory_order_release);
-    }
-    cv_.notify_all();
-    fn(0);
-    while (pending_.load(std::memory_order_acquire) != 0) _mm_pause();
-    return true;
-  }
-
- private:
-  void work(int id, uint64_t seen) {  // seen: the generation before the call that created it
-    for (;;) {
-      uint64_t g = gen_.load(std::memory_order_acquire);
-      if (g == seen) {
-        const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(g_spin_us);
-        int k = 0;
-        while ((g = gen_.load(std::memory_order_acquire)) == seen) {
-          _mm_pause();
-          if (++k % 64 == 0 && std::chrono::steady_clock::now() > until) {
-            std::unique_lock<std::mutex> lk(m_);
-            cv_.wait(lk, [&] { return gen_.load(std::memory_order_acquire) != seen; });
-          }
-        }
-      }
-      seen = g;
-      if (id < parts_) (*job_)(id);
-      pending_.fetch_sub(1, std::memory_order_acq_rel);
-    }
-  }
-
-  std::mutex busy_, m_;
-  std::condition_variable cv_;
-  std::atomic<uint64_t> gen_{1};
-  std::atomic<int> pending_{0};
-  int helpers_ = 0;
-  int parts_ = 0;
-  const std::function<void(int)>* job_ = nullptr;
-};
-
-static Pool& pool() {
-  static std::mutex guard;
-  static Pool* p = nullptr;
-  static pid_t owner = 0;
-  std::lock_guard<std::mutex> g(guard);
-  if (p == nullptr || owner != getpid()) p = new Pool(), owner = getpid();
-  return *p;
-}
-
-template <typename T>
-struct AlignedBuf {  // grows only; 64-byte aligned
-  T* p = nullptr;
-  size_t n = 0;
-  T* get(size_t want) {
-    if (want > n) {
-      std::free(p);
-      size_t bytes = ((want * sizeof(T)) + 63) & ~size_t(63);
-      p = static_cast<T*>(std::aligned_alloc(64, bytes ? bytes : 64));
-      n = want;
-    }
-    return p;
-  }
-  ~AlignedBuf() { std::free(p); }
-};
 
 // ------------------------------------------------------------------ activations (steps 1-5)
 struct Act {

@@ -1,0 +1,109 @@
+"""Building specjax's CPU kernels (XLA FFI custom calls, C++ sources shipped in this package):
+the block int8 matmul (:mod:`specjax.models.q8`, ``q8block.cc``) and the attention over the KV cache
+(:mod:`specjax.models.cpu_attention`, ``attention.cc``); both include ``cpu_pool.h``.
+
+A kernel is compiled on first use with the system C++ compiler (``$CXX``, ``g++`` or ``c++``) into
+``<cache dir>/kernels/<sha256 of its sources, the flags, the compiler and the jax version>/<lib>``
+(not turned off by ``SPECJAX_NO_CACHE``: a build keyed by its source is not a measurement), atomically
+(a temporary name, then ``os.replace``), so concurrent processes never load half a library.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+
+import jax
+
+from specjax.core.paths import cache_dir
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+HEADERS = ("cpu_pool.h",)  # included by every kernel source: part of each build's key
+CXX_FLAGS = ("-O3", "-shared", "-fPIC", "-std=c++17", "-ffp-contract=off", "-Wno-attributes",
+             "-Wno-ignored-attributes")
+
+
+def compiler() -> str | None:
+    """The C++ compiler to use (``$CXX``, ``g++``, ``c++``: the first found), or None."""
+    for name in (os.environ.get("CXX"), "g++", "c++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _compiler_id(cxx: str) -> str:
+    try:
+        return subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return cxx
+
+
+def _sources(source: str) -> bytes:
+    parts = []
+    for path in (source, *(os.path.join(HERE, h) for h in HEADERS)):
+        with open(path, "rb") as f:
+            parts.append(f.read())
+    return b"\0".join(parts)
+
+
+def _key(cxx: str, sources: bytes) -> str:
+    h = hashlib.sha256()
+    for part in (sources, " ".join(CXX_FLAGS).encode(), _compiler_id(cxx).encode(), jax.__version__.encode()):
+        h.update(part + b"\0")
+    return h.hexdigest()
+
+
+def _compile(cxx: str, source: str, lib_name: str, out_dir: str) -> str:
+    """Compile ``source`` into ``out_dir``/``lib_name`` atomically; returns the path. Raises
+    RuntimeError (the compiler's error lines) / OSError."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, lib_name)
+    fd, tmp = tempfile.mkstemp(prefix="." + lib_name + ".", suffix=".tmp", dir=out_dir)
+    os.close(fd)
+    try:
+        cmd = [cxx, *CXX_FLAGS, f"-I{jax.ffi.include_dir()}", f"-I{HERE}", source, "-o", tmp]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if r.returncode != 0:
+            err = " ".join(line for line in r.stderr.splitlines() if "error" in line)[:300]
+            raise RuntimeError(f"{os.path.basename(cxx)} failed ({r.returncode}): {err or r.stderr[-300:]}")
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def buildable(source: str) -> bool:
+    """Whether :func:`build` would compile ``source`` here (x86-64 Linux, a C++ compiler, the
+    sources present), without building."""
+    return (platform.system() == "Linux" and platform.machine().lower() in ("x86_64", "amd64")
+            and compiler() is not None and os.path.exists(source)
+            and all(os.path.exists(os.path.join(HERE, h)) for h in HEADERS))
+
+
+def build(source: str, lib_name: str) -> str:
+    """The path of the compiled kernel ``lib_name`` from ``source``: reused from the cache
+    directory, else compiled there (or, when it is not writable, into a temporary directory of this
+    process). Raises RuntimeError with the reason when it cannot be built."""
+    if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
+        raise RuntimeError(f"the kernel is for x86-64 Linux (this is {platform.system()} {platform.machine()})")
+    cxx = compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (g++ / c++ / $CXX) found")
+    try:
+        sources = _sources(source)
+    except OSError as e:
+        raise RuntimeError(f"kernel source missing: {e}") from None
+    d = os.path.join(cache_dir(), "kernels", _key(cxx, sources))
+    path = os.path.join(d, lib_name)
+    if os.path.exists(path):
+        return path
+    try:
+        return _compile(cxx, source, lib_name, d)
+    except OSError:  # the cache is not writable: build for this process only
+        return _compile(cxx, source, lib_name, tempfile.mkdtemp(prefix="specjax-kernels-"))
