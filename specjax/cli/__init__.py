@@ -83,8 +83,9 @@ def main(argv=None) -> int:
         return 130
     finally:
         programs.disable()
-        if "specjax.models.q8" in sys.modules:
-            sys.modules["specjax.models.q8"].join_build()
+        for kernel in ("specjax.models.q8", "specjax.models.cpu_attention"):
+            if kernel in sys.modules:
+                sys.modules[kernel].join_build()
 
 
 def _exit_now(status: int) -> None:

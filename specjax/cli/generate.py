@@ -66,10 +66,13 @@ def cmd_generate(args) -> int:
         mesh = sharding.MeshSpec.parse(args.mesh)
     progress = None if os.environ.get("SPECJAX_NO_PROGRESS") else Progress()
     tree = s["tree"]
+    from specjax.models import cpu_attention
+
+    cpu_attention.start_build()  # a cold start: the CPU kernels compile while the weights load
     if "int8" in (s["dtype"], s["draft_dtype"]) or s["dtype"] == "auto":
         from specjax.models import q8
 
-        q8.start_build()  # a cold start: the int8 kernel compiles while the weights load
+        q8.start_build()
     tag = program_tag(s, args)
     if tag is not None:  # the programs the last run with these settings used: compiled while the weights load
         programs.prefetch(tag)

@@ -68,7 +68,8 @@ def _cpu() -> tuple[str, tuple[str, ...]]:
 def host_fingerprint() -> dict:
     """What makes a timing on this host different from one on another: CPU model and its
     vector flags (``avx*``, ``amx*``, ``fma``, ``f16c``), usable cores, the JAX backend with its
-    device kind and count, ``XLA_FLAGS``, and the specjax, jax and jaxlib versions.
+    device kind and count, ``XLA_FLAGS``, the specjax, jax and jaxlib versions, and the attention
+    path (the CPU kernel or the blocked jnp computation: :func:`specjax.models.cpu_attention.planned`).
 
     Returns:
       a JSON-serialisable dict.
@@ -76,6 +77,8 @@ def host_fingerprint() -> dict:
     import importlib.metadata as md
 
     import jax
+
+    from specjax.models import cpu_attention
 
     def version(dist):
         try:
@@ -100,6 +103,7 @@ def host_fingerprint() -> dict:
         "specjax": version("specjax"),
         "jax": jax.__version__,
         "jaxlib": version("jaxlib"),
+        "attention": "kernel" if cpu_attention.planned() else "blocked",  # speeds differ by path
     }
 
 

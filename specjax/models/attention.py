@@ -11,11 +11,13 @@ contract) writes its K/V and calls :func:`cache_attention`; every public name he
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int
 
+from specjax.models import cpu_attention
 from specjax.models.config import ModelConfig
 from specjax.models.ops import pairwise_max, pairwise_sum
 
@@ -361,6 +363,38 @@ def cache_attention(q, k_cache, v_cache, positions, cfg: ModelConfig, tree_mask=
     the whole cache's, bit for bit). Every visible slot must lie in the cache's first
     ``(S // key_span) · key_span`` slots.
     """
+    if (k_cache.dtype == jnp.float32 and v_cache.dtype == jnp.float32 and q.shape[-1] <= cpu_attention.MAX_HEAD_DIM
+            and cpu_attention.enabled()):
+        return _kernel_attention(q, k_cache, v_cache, positions, tree_mask, cfg, window)
+    return _blocked_attention(q, k_cache, v_cache, positions, cfg, tree_mask, window, key_span)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _kernel_attention(q, k_cache, v_cache, positions, tree_mask, cfg: ModelConfig, window):
+    """The CPU kernel (:func:`specjax.models.cpu_attention.attend`); its gradient (a drafter's
+    training through the cache) is the blocked computation's, the same function up to rounding."""
+    return cpu_attention.attend(q, k_cache, v_cache, positions, cfg.attention_scale(), cfg.attn_logit_softcapping,
+                                tree_mask, window)
+
+
+def _kernel_attention_fwd(q, k_cache, v_cache, positions, tree_mask, cfg, window):
+    return _kernel_attention(q, k_cache, v_cache, positions, tree_mask, cfg, window), (
+        q, k_cache, v_cache, positions, tree_mask)
+
+
+def _kernel_attention_bwd(cfg, window, res, g):
+    q, k_cache, v_cache, positions, tree_mask = res
+    _, vjp = jax.vjp(lambda a, b, c: _blocked_attention(a, b, c, positions, cfg, tree_mask, window), q, k_cache, v_cache)
+    return (*vjp(g), None, None)
+
+
+_kernel_attention.defvjp(_kernel_attention_fwd, _kernel_attention_bwd)
+
+
+def _blocked_attention(q, k_cache, v_cache, positions, cfg: ModelConfig, tree_mask=None, window: int | None = None,
+                       key_span: int | None = None):
+    """:func:`cache_attention` as blocked jnp computations (its docstring: every backend without the
+    CPU kernel)."""
     b, t, h, hd = q.shape
     kv, s = cfg.num_kv_heads, k_cache.shape[2]
     blk = ATTENTION_BLOCK

@@ -16,7 +16,7 @@ parameters' names differ), so tokens are unchanged bit for bit.
 
 Key (SHA-256; any change is a new entry): this module's format, the jax and jaxlib versions,
 the backend and its devices, every source file of the installed specjax package (content
-hash), whether the int8 CPU kernel is loaded, the program kind, the full ``repr`` of the
+hash), whether the CPU attention kernel is traced and the int8 CPU kernel loaded, the program kind, the full ``repr`` of the
 :class:`~specjax.runtime.loop.Program` (configs, graphdef, drafter settings, γ, buffer, tree,
 …) and the arguments' tree structure, shapes, dtypes and shardings. A description that names
 an object by address (``0x…``) is not cached. Only programs compiled without a mesh and with
@@ -57,7 +57,7 @@ from typing import Callable
 import jax
 from jax.tree_util import tree_flatten, tree_leaves, tree_unflatten
 
-FORMAT = 2
+FORMAT = 3  # 3: the kernels an entry calls are named (the attention kernel)
 MAX_ENTRIES = 64
 MAX_TAGS = 32  # tags kept in recent.json (newest first)
 MAX_PREFETCH = 4  # programs remembered per tag
@@ -107,13 +107,13 @@ def directory() -> str | None:
 
 @functools.lru_cache(maxsize=1)
 def source_digest() -> str:
-    """SHA-256 of every ``.py`` and ``.cc`` file of the specjax package (paths and contents)."""
+    """SHA-256 of every ``.py``, ``.cc`` and ``.h`` file of the specjax package (paths and contents)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     h = hashlib.sha256()
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith((".", "__pycache__", "shipped_")))
         for name in sorted(filenames):
-            if name.endswith((".py", ".cc")):
+            if name.endswith((".py", ".cc", ".h")):
                 path = os.path.join(dirpath, name)
                 h.update(os.path.relpath(path, root).encode() + b"\0")
                 with open(path, "rb") as f:
@@ -122,12 +122,28 @@ def source_digest() -> str:
 
 
 def _kernel_state(leaves) -> str:
-    """Whether int8 programs trace the x86 kernel (only asked when a weight is int8 codes)."""
+    """Whether programs trace the CPU attention kernel, and int8 programs the x86 matmul kernel
+    (only asked when a weight is int8 codes)."""
+    from specjax.models import cpu_attention
+
+    attn = f"attention={cpu_attention.enabled()}"
     if not any(getattr(x, "dtype", None) == jax.numpy.uint8 for x in leaves):
-        return "-"
+        return attn
     from specjax.models import q8
 
-    return f"kernel={q8.available()}"
+    return f"kernel={q8.available()},{attn}"
+
+
+# the CPU kernels a program may call: (custom call target prefix, module that registers it)
+_KERNELS = (("specjax_q8block", "q8"), ("specjax_cache_attention", "cpu_attention"))
+
+
+def _kernels_loaded(names) -> bool:
+    """Load (build and register) the kernels ``names`` (modules of :data:`_KERNELS`) before a stored
+    program that calls them is compiled; False when one cannot be loaded here."""
+    import importlib
+
+    return all(importlib.import_module(f"specjax.models.{n}").load() is not None for n in names)
 
 
 def program_key(which: str, prog, leaves, in_tree) -> str | None:
@@ -239,17 +255,17 @@ def _evict(d: str) -> None:
 
 
 def _read(base: str):
-    """``(exported, out_tree, needs_kernel, specs, donated)`` of an entry, or None (missing or
-    unreadable)."""
+    """``(exported, out_tree, kernels, specs, donated)`` of an entry (``kernels``: the modules of
+    :data:`_KERNELS` it calls), or None (missing or unreadable)."""
     from jax import export
 
     try:
         with open(base + ".tree", "rb") as f:
-            out_tree, needs_kernel, specs, donated = _Unpickler(io.BytesIO(f.read())).load()
+            out_tree, kernels, specs, donated = _Unpickler(io.BytesIO(f.read())).load()
         with open(base + ".jaxexport", "rb") as f:
             exp = export.deserialize(bytearray(f.read()))
         os.utime(base + ".jaxexport")  # recently used: evicted last
-        return exp, out_tree, bool(needs_kernel), [tuple(x) for x in specs], tuple(donated)
+        return exp, out_tree, tuple(str(k) for k in kernels), [tuple(x) for x in specs], tuple(donated)
     except FileNotFoundError:
         return None
     except Exception:  # noqa: BLE001  (a damaged or foreign entry: rebuilt)
@@ -264,9 +280,9 @@ def _read(base: str):
 def _disabled_checks():
     from jax import export
 
-    from specjax.models import q8
+    from specjax.models import cpu_attention, q8
 
-    return [export.DisabledSafetyCheck.custom_call(name) for name in q8.TARGETS.values()]
+    return [export.DisabledSafetyCheck.custom_call(name) for name in (*q8.TARGETS.values(), cpu_attention.TARGET)]
 
 
 def compile_program(fn: Callable, which: str, prog, args: tuple, donate: tuple[int, ...] = ()):
@@ -310,21 +326,19 @@ def compile_program(fn: Callable, which: str, prog, args: tuple, donate: tuple[i
             exp = export.export(jax.jit(flat), disabled_checks=_disabled_checks())(*leaves)
         except Exception:  # noqa: BLE001  (e.g. an effect or custom call export refuses: compile as before)
             return None
-        needs_kernel = any("specjax_q8block" in t for t in _custom_call_targets(exp))
-        entry = (exp, out["tree"], needs_kernel, specs, donated)
+        targets = _custom_call_targets(exp)
+        kernels = tuple(mod for prefix, mod in _KERNELS if any(t.startswith(prefix) for t in targets))
+        entry = (exp, out["tree"], kernels, specs, donated)
         try:
             os.makedirs(d, exist_ok=True)
-            _write_atomic(base + ".tree", pickle.dumps((out["tree"], needs_kernel, specs, donated)))
+            _write_atomic(base + ".tree", pickle.dumps((out["tree"], kernels, specs, donated)))
             _write_atomic(base + ".jaxexport", bytes(exp.serialize()))
             _evict(d)
         except Exception:  # noqa: BLE001  (a read-only cache, no flatbuffers: this process still uses it)
             pass
-    exp, out_tree, needs_kernel = entry[:3]
-    if needs_kernel:
-        from specjax.models import q8
-
-        if q8.load() is None:
-            return None
+    exp, out_tree, kernels = entry[:3]
+    if not _kernels_loaded(kernels):
+        return None
     return ExportedProgram(_compile_entry(exp, specs, donated), in_tree, out_tree, loaded)
 
 
@@ -380,11 +394,8 @@ def prefetch(tag: str) -> int:
 def _prefetch_one(base: str, fut: concurrent.futures.Future) -> None:
     try:
         entry = _read(base)
-        if entry is not None and entry[2]:
-            from specjax.models import q8
-
-            if q8.load() is None:
-                entry = None
+        if entry is not None and not _kernels_loaded(entry[2]):
+            entry = None
         if entry is None:
             fut.set_result(None)
             return
