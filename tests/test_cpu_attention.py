@@ -16,7 +16,6 @@ import dataclasses
 import json
 import os
 import platform
-import shutil
 import subprocess
 import sys
 
@@ -25,18 +24,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.models import attention, cpu_attention
-
-X86_LINUX = platform.system() == "Linux" and platform.machine().lower() in ("x86_64", "amd64")
-HAS_CXX = any(shutil.which(c) for c in (os.environ.get("CXX") or "g++", "g++", "c++"))
-
+from specjax.models import attention, cpu_attention, kernels
 
 @pytest.fixture(scope="module")
 def kernel():
-    if not X86_LINUX:
-        pytest.skip(f"the kernel is for x86-64 Linux (this is {platform.system()} {platform.machine()})")
-    if not HAS_CXX:
-        pytest.skip("no C++ compiler (g++ / c++): cache_attention uses the blocked jnp path")
+    if not kernels.buildable(cpu_attention.SOURCE):  # not x86-64 Linux, or no C++ compiler
+        pytest.skip(f"the kernel cannot be built on this host ({platform.system()} {platform.machine()}, "
+                    f"compiler {kernels.compiler()}): cache_attention uses the blocked jnp path")
     assert cpu_attention.load() is not None, f"the kernel did not build: {cpu_attention.unavailable_reason()}"
     assert cpu_attention.enabled() == (jax.default_backend() == "cpu" and jax.device_count() == 1)
     return cpu_attention
