@@ -347,6 +347,10 @@ def cache_attention(q, k_cache, v_cache, positions, cfg: ModelConfig, tree_mask=
     ``positions[:, 0] + i``; see :func:`_tree_visible` (float32) and :func:`_tree_window`
     (reduced formats) for how that is computed without breaking batch invariance.
 
+    On one CPU device this is one kernel (:mod:`specjax.models.cpu_attention`: per-query arithmetic,
+    float32 in every format, cost following each query's visible keys); elsewhere the blocked jnp
+    computation below (``SPECJAX_ATTENTION=xla`` forces it on CPU).
+
     Batch-invariant by construction (docs/design.md, "Batch invariance"): the cache is read in
     blocks of :data:`ATTENTION_BLOCK` slots, so each dot contracts a fixed length (``hd`` for
     the scores, 64 slots for the values) whatever ``S``, ``T`` or ``B`` is; the softmax max is
