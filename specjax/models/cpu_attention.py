@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.core import notes
-from specjax.models import kernels
+from specjax.models import kernels, q8  # q8: the kernels' thread count
 
 SOURCE = os.path.join(kernels.HERE, "attention.cc")
 LIB_NAME = "libspecjax_attention.so"
@@ -91,35 +91,25 @@ def join_build() -> None:
         _builder.join()
 
 
+def _wanted() -> bool:
+    """``SPECJAX_ATTENTION`` is not ``xla`` and the default backend is CPU with one device (a mesh
+    keeps the blocked computation, which XLA can partition)."""
+    return (os.environ.get(ENV, "").strip().lower() != "xla" and jax.default_backend() == "cpu"
+            and jax.device_count() == 1)
+
+
 def planned() -> bool:
     """:func:`enabled` without building: whether this process will use the kernel if it builds
     (what measurements of speed are keyed by, :func:`specjax.eval.hostcache.host_fingerprint`)."""
-    if os.environ.get(ENV, "").strip().lower() == "xla":
+    if not _wanted():
         return False
-    if jax.default_backend() != "cpu" or jax.device_count() != 1:
-        return False
-    if _load_once.cache_info().currsize:
-        return load() is not None
-    return kernels.buildable(SOURCE)
+    return load() is not None if _load_once.cache_info().currsize else kernels.buildable(SOURCE)
 
 
 def enabled() -> bool:
     """Whether :func:`~specjax.models.attention.cache_attention` runs the kernel in programs traced now:
-    ``SPECJAX_ATTENTION`` is not ``xla``, the default backend is CPU with one device (a mesh keeps
-    the blocked computation, which XLA can partition), and the kernel builds and loads here."""
-    if os.environ.get(ENV, "").strip().lower() == "xla":
-        return False
-    if jax.default_backend() != "cpu" or jax.device_count() != 1:
-        return False
-    return load() is not None
-
-
-def _threads() -> int:
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return max(1, min(cores, 8))
+    :func:`_wanted`, and the kernel builds and loads here."""
+    return _wanted() and load() is not None
 
 
 def attend(q, k_cache, v_cache, positions, scale: float, softcap: float | None = None, tree_mask=None,
@@ -153,5 +143,5 @@ def attend(q, k_cache, v_cache, positions, scale: float, softcap: float | None =
     call = jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")
     o = call(q.astype(jnp.float32), k_cache.astype(jnp.float32), v_cache.astype(jnp.float32), lo, prefix,
              extra.astype(jnp.int32), n_extra.astype(jnp.int32), scale=np.float32(scale),
-             softcap=np.float32(softcap or 0.0), threads=np.int64(_threads()))
+             softcap=np.float32(softcap or 0.0), threads=np.int64(q8.DEFAULT_THREADS))
     return o.reshape(b, t, h * hd)
