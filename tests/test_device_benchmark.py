@@ -143,3 +143,26 @@ def test_bandwidth_measure_and_dtype_options(device):
     a = device.parse_args(["--out", "x.json", "--dtype", "float32", "--bandwidth", "measure"])
     assert a.dtype == "float32" and a.bandwidth == "measure"
     assert device.parse_args(["--out", "x.json", "--bandwidth", "2.5"]).bandwidth == 2.5
+
+
+def test_overhead_ablations_cpu(tmp_path):
+    """``benchmarks/device_overhead.py`` (the per-layer overhead ablations prepared for the next
+    accelerator run) on the tiny shape on CPU, default XLA flags only: status complete, a finite
+    positive time and compile time for every ablation, the fused attention's implementation named,
+    the sampling step timed, and the optimized HLO written with its entry opcodes counted."""
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    script = os.path.join(ROOT, "benchmarks", "device_overhead.py")
+    proc = subprocess.run([sys.executable, script, "--out", str(tmp_path), "--shapes", "tiny", "--variants", "default",
+                           "--prompt-len", "24", "--max-new-tokens", "40", "--repeats", "2", "--budget-s", "300"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((tmp_path / "overhead-default.json").read_text())
+    assert res["status"] == "complete" and res["backend"] == "cpu" and res["dtype"] == "bfloat16"
+    sh = res["shapes"]["tiny"]
+    assert set(sh["forward_ms"]) == {"blocked", "dense", "fused", "none", "no_row_pad"}
+    assert all(_positive(v) for v in sh["forward_ms"].values()), (sh["forward_ms"], sh.get("errors"))
+    assert all(_positive(v) for v in sh["compile_s"].values())
+    assert sh["fused"]["implementation"] in ("cudnn", "xla") and _positive(sh["sampling_ms"])
+    assert sh["entry_opcodes"].get("fusion", 0) > 0 and sh["layers"] == 2
+    assert (tmp_path / "hlo-tiny.txt.gz").stat().st_size > 0
+    assert sum("tiny " in line for line in proc.stdout.splitlines()) == 6
