@@ -65,7 +65,7 @@ def _attention(kind: str, original):
     import jax
     import jax.numpy as jnp
 
-    def dense(q, k_cache, v_cache, positions, cfg, tree_mask=None, window=None, key_span=None):
+    def dense(q, k_cache, v_cache, positions, cfg, tree_mask=None, window=None, key_span=None, kv_view=None):
         b, t, h, hd = q.shape
         kv, s = k_cache.shape[1], k_cache.shape[2]
         qg = q.reshape(b, t, kv, h // kv, hd).astype(k_cache.dtype)
@@ -77,7 +77,7 @@ def _attention(kind: str, original):
 
     used = {}
 
-    def fused(q, k_cache, v_cache, positions, cfg, tree_mask=None, window=None, key_span=None):
+    def fused(q, k_cache, v_cache, positions, cfg, tree_mask=None, window=None, key_span=None, kv_view=None):
         b, t, h, hd = q.shape
         s = k_cache.shape[2]
         k, v = k_cache.transpose(0, 2, 1, 3), v_cache.transpose(0, 2, 1, 3)  # [B, S, KV, hd]
@@ -92,7 +92,7 @@ def _attention(kind: str, original):
                 used.setdefault("refused", []).append(f"{impl}: {type(exc).__name__}: {str(exc)[:200]}")
         return o.astype(jnp.float32).reshape(b, t, h * hd)
 
-    def none(q, k_cache, v_cache, positions, cfg, tree_mask=None, window=None, key_span=None):
+    def none(q, k_cache, v_cache, positions, cfg, tree_mask=None, window=None, key_span=None, kv_view=None):
         b, t, h, hd = q.shape
         return jnp.zeros((b, t, h * hd), jnp.float32)
 

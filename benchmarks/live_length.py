@@ -6,7 +6,9 @@ and off (the whole buffer every round, as before), side by side in one run.
     python benchmarks/live_length.py [--dtype float32] [--rounds 128] [--max-new 128 1024 4096]
 
 Prints one JSON line per (max_new_tokens, views) with decode tokens/s (median of ``--repeats``
-warm runs, compile excluded) and the host's CPU flags.
+warm runs, compile excluded) and the host's CPU flags. Where the attention is the CPU kernel (one CPU
+device; ``host.attention`` in the first line), the loop runs no views (``decoder.attention_views``): both
+rows are then the same program; ``SPECJAX_ATTENTION=xla`` compares the blocked attention's views.
 """
 
 from __future__ import annotations

@@ -189,3 +189,21 @@ def test_xla_env_keeps_the_blocked_path(kernel, monkeypatch):
     assert cpu_attention.enabled() == (jax.default_backend() == "cpu" and jax.device_count() == 1)
     a = np.asarray(attention.cache_attention(q, k, v, pos, Cfg()))
     assert np.array_equal(a, np.asarray(kernel.attend(q, k, v, pos, Cfg().attention_scale())))
+
+
+def test_a_view_is_not_cut_for_the_kernel(kernel, monkeypatch):
+    """``cache_attention(kv_view=...)`` (the decode loop's attention views): the kernel gets the whole
+    cache (it reads each query's visible keys only; a cut operand would be a copy per layer and step:
+    measured 22 vs 42 tokens/s at a 4,224-slot buffer) and gives the same bits as without the view; the
+    blocked path reads only the view, with the whole cache's result."""
+    q, k, v = _inputs(b=2, t=3, s=512)
+    pos = jnp.asarray([[100, 101, 102], [37, 38, 39]], jnp.int32)
+    cfg = Cfg()
+    fn = jax.jit(lambda q, k, v, p: attention.cache_attention(q, k, v, p, cfg, kv_view=128))
+    hlo = fn.lower(q, k, v, pos).as_text()
+    assert "specjax_cache_attention" in hlo
+    assert "tensor<2x3x128x64xf32>" not in hlo and "slice" not in hlo, "the view was cut for the kernel"
+    assert np.array_equal(np.asarray(fn(q, k, v, pos)), np.asarray(attention.cache_attention(q, k, v, pos, cfg)))
+    viewed = _blocked(q, k, v, pos, cfg, monkeypatch, kv_view=128)
+    whole = _blocked(q, k, v, pos, cfg, monkeypatch)
+    np.testing.assert_array_equal(viewed, whole)

@@ -5,6 +5,7 @@ slots, bad requests are refused in one line, and nothing recompiles per request.
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
@@ -90,15 +91,30 @@ def _alone(dec, r):
                         sampling=SamplingParams.from_rows([r.sampling]), logprobs=r.logprobs)
 
 
+@pytest.fixture
+def blocked_attention(monkeypatch):
+    """The blocked jnp attention (``SPECJAX_ATTENTION=xla``: meshes, GPU/TPU), which reads the cache it
+    is given, so the decode loop steps through attention views (on one CPU the kernel reads each row's
+    keys and needs none: ``decoder.attention_views``). Programs traced before or after with the kernel
+    are dropped (``jax.clear_caches``), so no other test runs a program traced here."""
+    monkeypatch.setenv("SPECJAX_ATTENTION", "xla")
+    jax.clear_caches()
+    yield
+    jax.clear_caches()
+
+
 @pytest.mark.parametrize("setup", ["ar", "ngram", "model", "eagle3-tree"])
-def test_requests_in_slots_equal_their_alone_runs(setup, monkeypatch):
+def test_requests_in_slots_equal_their_alone_runs(setup, monkeypatch, request):
     """3 slots, 7 requests arriving while others run (with the row ladder, ar and eagle3-tree: chunks on
     1, 2 and 3 rows, requests moved down to the lowest slots as others finish; the other tests run every
     chunk on all slots, fewer programs to compile): every request's tokens, finish reason and
     counters equal ``Decoder.generate`` of it alone with ``request_keys(seed, 1)`` (greedy and
     sampled; a row's draws use its own round numbers, not the batch's); log-probabilities equal.
-    The slots hold 320 tokens and attend through views of 64 and 128 slots (``KV_VIEW_MIN`` 64),
-    as a served context of thousands would through views of 256, 512, ..."""
+    The slots hold 320 tokens; with the blocked attention (the n-gram setup) they attend through views
+    of 64 and 128 slots (``KV_VIEW_MIN`` 64), as a served context of thousands would through views of
+    256, 512, ... on a mesh or an accelerator."""
+    if setup == "ngram":
+        request.getfixturevalue("blocked_attention")
     monkeypatch.setattr(decoder_mod, "KV_VIEW_MIN", 64)
     dec = _decoder(setup)
     ladder = setup in ("ar", "eagle3-tree")  # the row ladder here (its programs cost compile time: two setups)
@@ -225,10 +241,10 @@ def test_plain_rounds_give_the_speculative_rounds_tokens():
 
 
 @pytest.mark.parametrize("fmt, setup", [("int8", "ngram"), ("float32", "eagle3-tree")])
-def test_attention_views_give_the_full_buffers_tokens(fmt, setup, monkeypatch):
-    """``Decoder.run``'s ladder of attention views (issue 29: decode cost follows the live length):
-    rows of 5, 40 and 90 prompt tokens decoding 150 new tokens through views of 64 and 128 slots,
-    then the whole buffer, give exactly the tokens of the whole buffer from the start."""
+def test_attention_views_give_the_full_buffers_tokens(fmt, setup, monkeypatch, blocked_attention):
+    """``Decoder.run``'s ladder of attention views (issue 29: decode cost follows the live length) on the
+    blocked attention: rows of 5, 40 and 90 prompt tokens decoding 150 new tokens through views of 64
+    and 128 slots, then the whole buffer, give exactly the tokens of the whole buffer from the start."""
     from specjax.io.loading import convert_model
 
     m = _model() if fmt == "float32" else convert_model(_model(), fmt)
@@ -247,6 +263,21 @@ def test_attention_views_give_the_full_buffers_tokens(fmt, setup, monkeypatch):
     assert views_full == [0] and views == [0, 128]  # the 90-token row starts beyond 64 slots
     assert viewed.tokens == full.tokens
     assert [dict(s) for s in viewed.stats] == [dict(s) for s in full.stats]
+
+
+def test_no_attention_views_where_the_kernel_reads_the_rows_keys(monkeypatch):
+    """On one CPU device with the attention kernel, ``Decoder.run`` compiles no view programs (the
+    kernel's cost follows each row's visible keys whatever the buffer; a view program would only be
+    compiled, and a cut cache copied); elsewhere the ladder of views as above."""
+    from specjax.models import attention
+
+    monkeypatch.setattr(decoder_mod, "KV_VIEW_MIN", 64)
+    m = _model()
+    dec = Decoder(m, NgramDrafter(3), gamma=3)
+    dec.generate([[5, 6, 7]], max_new_tokens=150, eos_ids=[])
+    views = sorted(k[1].kv_view or 0 for k in dec._compiled if k[0] == "run")
+    kernel = attention.reads_visible_keys_only("float32", m.config.head_dim)
+    assert views == ([0] if kernel else [0, 64, 128]), (kernel, views)
 
 
 @pytest.mark.parametrize("chunk,per_step", [(32, 1), (64, 3)])
@@ -313,6 +344,10 @@ def test_auto_speculation_measures_both_programs_and_keeps_tokens():
     assert picks.count(False) == 2 and all(picks[:every - 1])
     # close programs: probes every PROBE_SPEC chunks; a hopeless one: every PROBE_SPEC_MAX
     assert spec_probe_every(0.2, 0.1, 1.99) == PROBE_SPEC and spec_probe_every(1.0, 0.1, 1.0) == PROBE_SPEC_MAX
+    from specjax.runtime.spec_policy import SPEC_MARGIN
+
+    c = AutoSpeculation(t_spec={None: 0.2}, t_plain={None: 0.1}, tau=2.2)  # 11 vs 10 tokens/s: a near tie
+    assert 2.2 / 0.2 < SPEC_MARGIN / 0.1 and c.plain(None)  # goes to plain chunks (speculation's other costs)
     b = AutoSpeculation(t_spec={None: 0.2}, t_plain={None: 0.1}, tau=2.5)  # speculation: 12.5 vs 10 tokens/s
     assert not b.plain(None) and not b.plain(256)  # another view: its speculative program is measured first,
     b.record(False, 256, 0.6, 4, 10, 4)

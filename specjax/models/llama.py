@@ -128,9 +128,8 @@ def decoder_block(
     k = rope(k, positions, inv_freq)
     kc = write_kv(k_cache, k.transpose(0, 2, 1, 3), starts)
     vc = write_kv(v_cache, v.transpose(0, 2, 1, 3), starts)
-    ka, va = (kc, vc) if kv_view is None else (kc[:, :, :kv_view], vc[:, :, :kv_view])
-    a = cache_attention(q if p["w_qkv"].dtype == jnp.float32 else q.astype(jnp.bfloat16), ka, va, positions, cfg,
-                        tree_mask=tree_mask, window=window, key_span=key_span)
+    a = cache_attention(q if p["w_qkv"].dtype == jnp.float32 else q.astype(jnp.bfloat16), kc, vc, positions, cfg,
+                        tree_mask=tree_mask, window=window, key_span=key_span, kv_view=kv_view)
     h = h + _post_norm(lin(a, "wo", "bo"), p, "attn_post_norm", cfg)
     x = rms_norm(h, p["mlp_norm"], cfg.rms_norm_eps)
     gate_up = lin(x, "w_gate_up")  # [B, T, 2, F]

@@ -19,6 +19,7 @@ import numpy as np
 
 from specjax.core.drafting import MAX_GAMMA, MAX_NEW_TOKENS, TreeShape, require_drafter, row_context
 from specjax.core.sampling import SamplingParams
+from specjax.models.attention import reads_visible_keys_only
 from specjax.models.llama import kv_cache_dtype
 from specjax.runtime.loop import (  # noqa: F401  (run_rounds/… re-exported for tests)
     RUN_ROUNDS_DONATE, DecodeState, Logprobs, Program, Stats, run_rounds, run_rounds_jit, tree_scratch,
@@ -60,6 +61,16 @@ def kv_views(buffer_len: int, minimum: int | None = None) -> list[int]:
         out.append(v)
         v *= 2
     return out
+
+
+def attention_views(prog) -> list[int]:
+    """The attention views :meth:`Decoder.run` steps ``prog`` through: :func:`kv_views` of its buffer,
+    or none where it has a fixed view already, or where its target's attention is the CPU kernel
+    (:func:`specjax.models.attention.reads_visible_keys_only`), which reads each row's visible keys
+    whatever the buffer — views would only add programs to compile."""
+    if prog.kv_view is not None or reads_visible_keys_only(prog.cache_dtype, prog.cfg.head_dim):
+        return []
+    return kv_views(prog.buffer_len)
 
 
 def view_for(views: list[int], longest: int, round_span: int) -> int | None:
@@ -456,12 +467,13 @@ class Decoder:
         """Run rounds until done or ``round_limit``; returns ``(state, compile_s, seconds)``.
 
         A buffer of at least ``2 · KV_VIEW_MIN`` slots runs through a ladder of attention views
-        (:func:`kv_views`): each stretch of rounds runs the program whose target attends over the
+        (:func:`attention_views`: none where the attention is the CPU kernel, which reads only the rows'
+        keys anyway): each stretch of rounds runs the program whose target attends over the
         smallest view that holds the running rows' next round (``Program.kv_view``; the same
         tokens, :func:`specjax.models.llama.decoder_block`), so a round costs what the live rows
         need, not the whole buffer; one host read of the lengths per view (at most
         log2(buffer / ``KV_VIEW_MIN``) + 1 programs per buffer bucket, each compiled when first needed)."""
-        views = kv_views(prog.buffer_len) if prog.kv_view is None else []
+        views = attention_views(prog)
         compile_s = seconds = 0.0
         while True:
             p = prog

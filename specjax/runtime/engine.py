@@ -42,7 +42,7 @@ import numpy as np
 
 from specjax.core.sampling import Sampling, SamplingParams
 from specjax.models.llama import KVCache
-from specjax.runtime.decoder import SEED_LIMIT, Decoder, kv_views, prompt_bucket, request_keys, view_for
+from specjax.runtime.decoder import SEED_LIMIT, Decoder, attention_views, prompt_bucket, request_keys, view_for
 from specjax.runtime.prefill import PREFILL_CHUNK, prefill_jit, prefill_program, prompt_piece_jit, size_for_gamma
 from specjax.runtime.results import RowStats, host_result
 from specjax.runtime.spec_policy import SPECULATION, AutoSpeculation
@@ -360,7 +360,7 @@ class Engine:
             if rows != self.slots:  # the chunk's write-back (compiled here, not in the first burst of traffic)
                 st = self._placed(_put_head_jit(st, _head_jit(st, rows)))
             for prog in (self.prog, self._plain):
-                for v in kv_views(self.prog.buffer_len) + [None] if prog is not None else []:  # every view's program
+                for v in attention_views(self.prog) + [None] if prog is not None else []:  # every view's program
                     self.decoder._get("run", dataclasses.replace(prog, kv_view=v), args)
         p, row = self.decoder.prompt_bucket, None
         while p <= min(int(prompt_tokens), self.context_limit - 1):
@@ -598,10 +598,10 @@ class Engine:
         return self._insert(st, row, slot, a.rid, a.req, a.seed), n       # admits nothing else meanwhile)
 
     def _view(self, rows: int | None = None):
-        """The attention view the next chunk starts in (:func:`kv_views`; ``None``: the whole buffer);
-        with ``rows`` (the ladder in use), the auto policy's key ``(rows, view)``."""
+        """The attention view the next chunk starts in (:func:`~specjax.runtime.decoder.attention_views`;
+        ``None``: the whole buffer); with ``rows`` (the ladder in use), the auto policy's key ``(rows, view)``."""
         longest = max(r.reported for r in self._slots.values())
-        view = view_for(kv_views(self.prog.buffer_len), longest, self.prog.round_span)
+        view = view_for(attention_views(self.prog), longest, self.prog.round_span)
         return view if rows is None or len(self.ladder) == 1 else (rows, view)
 
     def _policy(self, st, rows: int | None = None):
