@@ -67,28 +67,20 @@ def unavailable_reason() -> str | None:
         return _load_once()[1]
 
 
-_builder: threading.Thread | None = None
+_builder = kernels.BackgroundBuild("specjax-attention-build", lambda: load())
 
 
 def start_build() -> bool:
     """Build (when not yet in the cache) and load the kernel on a background thread, so a cold start
     overlaps the compiler's ≈ 5 s with loading the weights; :func:`load` (and so :func:`enabled`)
     waits for it. Returns whether a thread was started (or one is running)."""
-    global _builder
-    if _builder is not None:
-        return _builder.is_alive()
-    if (_load_once.cache_info().currsize or os.environ.get(ENV, "").strip().lower() == "xla"
-            or jax.default_backend() != "cpu" or not kernels.buildable(SOURCE)):
-        return False
-    _builder = threading.Thread(target=load, daemon=True, name="specjax-attention-build")
-    _builder.start()
-    return True
+    return _builder.start(lambda: not _load_once.cache_info().currsize and os.environ.get(ENV, "").strip().lower()
+                          != "xla" and jax.default_backend() == "cpu" and kernels.buildable(SOURCE))
 
 
 def join_build() -> None:
     """Wait for a :func:`start_build` thread (before the interpreter shuts down)."""
-    if _builder is not None:
-        _builder.join()
+    _builder.join()
 
 
 def _wanted() -> bool:

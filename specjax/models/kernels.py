@@ -16,6 +16,8 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
+from typing import Callable
 
 import jax
 
@@ -107,3 +109,33 @@ def build(source: str, lib_name: str) -> str:
         return _compile(cxx, source, lib_name, d)
     except OSError:  # the cache is not writable: build for this process only
         return _compile(cxx, source, lib_name, tempfile.mkdtemp(prefix="specjax-kernels-"))
+
+
+class BackgroundBuild:
+    """A kernel's build and load on one daemon thread per process, so a cold start overlaps the
+    compiler (seconds) with other work (loading the weights); the kernel module's ``load`` waits for
+    it through its own lock. ``name``: the thread's name; ``load``: the module's build-and-load call."""
+
+    def __init__(self, name: str, load: Callable[[], object]):
+        self._name, self._load, self._thread = name, load, None
+
+    def start(self, wanted: Callable[[], bool]) -> bool:
+        """Start the thread unless one was started (then: whether it still runs) or ``wanted()`` is
+        false (nothing to build here: loaded already, another backend, no compiler, switched off).
+        Returns whether a thread was started (or one is running)."""
+        if self._thread is not None:
+            return self._thread.is_alive()
+        if not wanted():
+            return False
+        self._thread = threading.Thread(target=self._load, daemon=True, name=self._name)
+        self._thread.start()
+        return True
+
+    def is_alive(self) -> bool:
+        """Whether the build thread is still running."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def join(self) -> None:
+        """Wait for the build thread, if one was started (before the interpreter shuts down)."""
+        if self._thread is not None:
+            self._thread.join()

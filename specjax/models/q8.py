@@ -112,27 +112,20 @@ def _backend_note(backend: str) -> None:
     notes.note(f"the block int8 CPU kernel is not used on the {backend} backend; using the jnp reference")
 
 
-_builder: threading.Thread | None = None
+_builder = kernels.BackgroundBuild("specjax-q8-build", lambda: _load())
 
 
 def start_build() -> bool:
     """Build (when not yet in the cache) and load the kernel on a background thread, so a cold
     start overlaps the compiler's ≈ 4–7 s with other work; :func:`load` waits for it. Only on a
     host where :func:`buildable`; returns whether a thread was started (or one is running)."""
-    global _builder
-    if _builder is not None:
-        return _builder.is_alive()
-    if _load_once.cache_info().currsize or jax.default_backend() != "cpu" or not buildable():
-        return False
-    _builder = threading.Thread(target=_load, daemon=True, name="specjax-q8-build")
-    _builder.start()
-    return True
+    return _builder.start(lambda: not _load_once.cache_info().currsize and jax.default_backend() == "cpu"
+                          and buildable())
 
 
 def join_build() -> None:
     """Wait for a :func:`start_build` thread (before the interpreter shuts down)."""
-    if _builder is not None:
-        _builder.join()
+    _builder.join()
 
 
 def buildable() -> bool:
@@ -145,7 +138,7 @@ def expected() -> bool:
     """:func:`available`, except while a :func:`start_build` thread is still building: then whether
     this host can build it (the build's outcome is not awaited; a failed build leaves int8 on the
     jnp reference with one note, as :func:`available` says)."""
-    if _builder is not None and _builder.is_alive():
+    if _builder.is_alive():
         return jax.default_backend() == "cpu" and buildable()
     return available()
 
