@@ -5,7 +5,7 @@ round: the default pair, SmolLM2-135M-Instruct + its shipped drafter, γ 2) and 
 measured choice between speculative and plain chunks, ``specjax serve``'s default).
 
     python benchmarks/engine_load.py [--concurrency 1 8 32] [--slots 8] [--requests-per-client 2] [--new 64]
-        [--dtype float32] [--max-context 1024] [--ladder on off]
+        [--requests N] [--dtype float32] [--max-context 1024] [--ladder on off]
 
 Clients are closed loops: each keeps one request in flight and submits its next when the last one
 finishes, so at most ``concurrency`` requests are in the engine (the rest of a client's requests wait
@@ -80,6 +80,9 @@ def main():
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--slots", type=int, default=None, help="engine slots (default: the concurrency)")
     ap.add_argument("--requests-per-client", type=int, default=2)
+    ap.add_argument("--requests", type=int, default=None,
+                    help="the same N requests at every concurrency (default: concurrency x --requests-per-client); "
+                         "throughput ratios between concurrencies compare like with like only with this")
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--max-context", type=int, default=1024)
@@ -95,7 +98,7 @@ def main():
     print(json.dumps({"host": host_fingerprint()}))
     for c in args.concurrency:
         slots = args.slots or c
-        prompts = _prompts(target, c * args.requests_per_client)
+        prompts = _prompts(target, args.requests or c * args.requests_per_client)
         for method, ladder in [(m, x) for m in args.methods for x in args.ladder]:
             dec = Decoder(target) if method == "off" else Decoder(target, drafter, gamma=2)
             eng = Engine(dec, slots=slots, max_context=args.max_context, rounds_per_chunk=args.rounds_per_chunk,

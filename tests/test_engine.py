@@ -240,6 +240,63 @@ def test_plain_rounds_give_the_speculative_rounds_tokens():
         assert toks == out[0][0] and out[0][1].stats.drafted_tokens == 0
 
 
+class _NoAbsorb(eagle.EagleDrafter):
+    """The negative control: a drafter that keeps nothing of plain rounds (the holes of turn 23)."""
+
+    def absorb(self, params, state, context):
+        return state
+
+    def _key(self):
+        return super()._key() + ("no-absorb",)
+
+
+@pytest.mark.parametrize("kind, tree", [("eagle3", False), ("eagle3", True), ("published-head", False)],
+                         ids=["chain", "tree", "published-head"])
+def test_plain_rounds_leave_no_holes_in_the_drafters_cache(kind, tree, tmp_path):
+    """Plain rounds (the engine's one-token target calls, no drafter call) record their features
+    and the next speculative round encodes them (:meth:`EagleDrafter.absorb`): after a stretch of
+    plain rounds between speculative ones, the drafter's K/V at every committed position equal
+    those of a run that speculated every round (greedy: the same tokens; float32 tolerance, the
+    features come from one-token vs verification calls). The negative control, a drafter that keeps
+    nothing, differs there. The published-head layout (position t at slot t − 1) too."""
+    import dataclasses
+
+    if kind == "eagle3":
+        m = _model()
+        base = _eagle(m)
+    else:
+        from specjax.api import load_drafter
+        from test_eagle3_published import _target, write_head
+
+        m = _target(scale=4.0)
+        base = load_drafter(write_head(tmp_path / "head", m, seed=1)[0], m)
+    prompt = np.random.default_rng(3).integers(2, 128, size=21).tolist()
+
+    def decode(drafter, schedule):
+        dec = Decoder(m, drafter, gamma=3) if not tree else Decoder(m, drafter, tree_nodes=6, tree_depth=3, tree_topk=2)
+        prog, st, _, _ = dec.start([prompt], max_new_tokens=60, eos_ids=[])
+        for plain, n in schedule:
+            p = dataclasses.replace(prog, plain=True) if plain else prog
+            st, _, _ = dec.run(p, st, int(st.round) + n)
+        return st
+
+    def kv(st):
+        return np.asarray(st.drafter_state["cache"].k[0])[0], np.asarray(st.drafter_state["cache"].v[0])[0]
+
+    ref = decode(base, [(False, 100)])
+    mixed = decode(base, [(False, 2), (True, 9), (False, 2), (True, 5), (False, 100)])
+    no_absorb = type("NoAbsorb", (_NoAbsorb, type(base)), {})
+    holes = decode(no_absorb(base.config, base.params, name=base.name), [(False, 2), (True, 9), (False, 100)])
+    for st in (mixed, holes):
+        assert np.array_equal(np.asarray(st.tokens), np.asarray(ref.tokens))  # greedy: the same tokens
+    end = int(min(np.asarray(s.lengths)[0] - np.asarray(s.last_accepted)[0] - 1 for s in (ref, mixed, holes)))
+    assert end > len(prompt) + 20
+    for a, b in zip(kv(ref), kv(mixed)):
+        np.testing.assert_allclose(a[:, 1:end], b[:, 1:end], atol=2e-4)
+    gap = max(float(np.abs(a[:, 1:end] - b[:, 1:end]).max()) for a, b in zip(kv(ref), kv(holes)))
+    assert gap > 1e-2, gap
+
+
 @pytest.mark.parametrize("fmt, setup", [("int8", "ngram"), ("float32", "eagle3-tree")])
 def test_attention_views_give_the_full_buffers_tokens(fmt, setup, monkeypatch, blocked_attention):
     """``Decoder.run``'s ladder of attention views (issue 29: decode cost follows the live length) on the

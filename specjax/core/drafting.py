@@ -257,6 +257,14 @@ class Drafter:
         """
         raise NotImplementedError(f"{type(self).__qualname__} must define init_state")
 
+    def absorb(self, params, state, context: DraftContext) -> Any:
+        """The drafter's state before a plain round (a one-token target call with no drafts, the
+        serving engine's rounds when no row speculates), which replaces ``context.target_hidden``
+        (as for :meth:`propose`) without a drafter call: keep what later rounds need of it.
+        Default: ``state`` unchanged (a drafter that reads the committed tokens only, or one that
+        accepts lower acceptance after plain rounds). Never changes what is sampled."""
+        return state
+
     def propose(self, params, state, context: DraftContext, keys, gamma: int, vocab_size: int) -> Proposal:
         """Propose γ draft tokens per row, traced inside the jitted loop (one call per round).
 

@@ -54,7 +54,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.core.drafting import DraftContext
-from specjax.drafters.eagle import EagleDrafter
+from specjax.drafters.eagle import EagleDrafter, catch_up_state
 from specjax.drafters.eagle_params import LayerDims
 from specjax.models import llama
 from specjax.models.config import ModelConfig
@@ -192,4 +192,9 @@ class Eagle3HeadDrafter(EagleDrafter):
         idx = jnp.clip(context.lengths - 2, 0, p - 1)
         h0 = jnp.take_along_axis(g, idx[:, None, None], axis=1)[:, 0]
         h0 = jnp.where((context.lengths >= 2)[:, None], h0, 0.0)
-        return {"cache": cache, "h0": h0.astype(jnp.float32), "fresh": jnp.ones((b,), bool)}
+        return catch_up_state({"cache": cache, "h0": h0.astype(jnp.float32), "fresh": jnp.ones((b,), bool)},
+                              b, context.target_hidden.shape[-1], max_len)
+
+    def cache_slots(self, positions):
+        """Slot t − 1 for position t (:func:`cache_positions`)."""
+        return cache_positions(positions)

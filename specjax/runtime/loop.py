@@ -555,16 +555,22 @@ def _plain_round(prog: Program, tparams, dparams, st: DecodeState) -> DecodeStat
     The state afterwards is the one a speculative round leaves when it accepts no draft
     (``last_accepted`` 0, the step's hidden state at index 0 of ``target_hidden``), so a
     speculative round may follow. The drafter does not run: its own state (a feature drafter's
-    K/V of the committed tokens) misses the tokens committed by plain rounds, which lowers its
-    acceptance later and never changes the output distribution (q is still what is sampled from).
-    Keys: the chain's or tree's layout (the last of ``fold_in(key, round)``'s draws); a greedy row's
-    tokens are those of a speculative round (the verification's logits equal a one-token call's)."""
+    K/V of the committed tokens) would miss the tokens committed by plain rounds, which lowers its
+    acceptance later and never changes the output distribution (q is still what is sampled from)
+    — unless it keeps them (:meth:`~specjax.core.drafting.Drafter.absorb`: the EAGLE drafters keep the
+    features and encode them in their next call). Keys: the chain's or tree's layout (the last of
+    ``fold_in(key, round)``'s draws); a greedy row's tokens are those of a speculative round (the
+    verification's logits equal a one-token call's)."""
     b = st.lengths.shape[0]
     zeros = jnp.zeros((b,), jnp.int32)
     rkeys, last, _ = _round_inputs(st, prog.gamma if prog.tree is None else prog.tree.nodes)
     cache, chunk, hidden, lps = _one_token_step(prog, tparams, st, last, rkeys[:, -1])
     rejected = None if prog.tree is None else jnp.zeros((b,), bool)
-    return _finish_round(prog, st, cache, zeros, chunk, zeros, rejected, st.drafter_state, hidden, lps)
+    dstate = st.drafter_state
+    if prog.drafter is not None:
+        ctx = DraftContext(st.tokens, st.lengths, st.sampling, st.target_hidden, st.last_accepted)
+        dstate = prog.drafter.absorb(dparams, dstate, ctx)
+    return _finish_round(prog, st, cache, zeros, chunk, zeros, rejected, dstate, hidden, lps)
 
 
 def _one_token_step(prog: Program, tparams, st: DecodeState, last, keys):
