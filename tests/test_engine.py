@@ -437,3 +437,32 @@ def test_speculative_chunks_are_paced_to_plain_ones_only_while_a_request_waits()
     assert rounds(fake({key: 0.2}, {key: 0.1}), False, 8) == 4  # nobody waits
     assert rounds(fake({key: 0.2}, {}, queue=[1]), False, 8) == 4  # plain cost unmeasured
     assert rounds(fake({}, {}, queue=[1], auto=False), False, 8) == 4  # speculation="always"
+
+
+def test_compaction_moves_only_the_moved_rows():
+    """``move_rows``: row ``src[i]`` lands in row ``dst[i]`` for ``i < count`` (every per-row leaf:
+    caches, keys, tokens), the source rows are marked done, every other row and the scalar round are
+    untouched; pairs at or beyond ``count`` do nothing."""
+    eng = Engine(_decoder("ar"), slots=4, max_context=64, max_logprobs=None)
+    st = eng._ensure_state()
+    # rows told apart: every per-row leaf of row r filled with r + 1 (bools: r odd)
+    st = jax.tree_util.tree_map(
+        lambda x: x if np.ndim(x) == 0 else jax.numpy.asarray(
+            np.broadcast_to(((np.arange(x.shape[0]) % 2 == 1) if x.dtype == bool else np.arange(x.shape[0]) + 1)
+                            .reshape((-1,) + (1,) * (x.ndim - 1)), x.shape).astype(x.dtype)), st)
+    before = jax.tree_util.tree_map(np.asarray, st)
+    src, dst = np.array([3, 2, 0, 0], np.int32), np.array([0, 1, 0, 0], np.int32)
+    out = jax.tree_util.tree_map(np.asarray, engine_mod.move_rows(st, src, dst, np.int32(1)))
+    expect_rows = [3, 1, 2, 3]  # only the first pair: row 3 into row 0
+    for path, a in jax.tree_util.tree_flatten_with_path(out)[0]:
+        b = dict(jax.tree_util.tree_flatten_with_path(before)[0])[path]
+        if np.ndim(a) == 0:
+            assert a == b, path
+        elif jax.tree_util.keystr(path).endswith("done"):
+            np.testing.assert_array_equal(a, [True, True, False, True])  # row 3 moved out: done
+        else:
+            np.testing.assert_array_equal(a, b[expect_rows], err_msg=jax.tree_util.keystr(path))
+    none = jax.tree_util.tree_map(np.asarray, engine_mod.move_rows(st, src, dst, np.int32(0)))
+    for a, b in zip(jax.tree_util.tree_leaves(none), jax.tree_util.tree_leaves(before)):
+        np.testing.assert_array_equal(a, b)
+

@@ -150,11 +150,27 @@ def set_speculate(state, speculate):
     return dataclasses.replace(state, speculate=speculate)
 
 
-def permute_rows(state, perm):
-    """``state`` with its rows reordered: row ``i`` of the result is row ``perm[i]`` (``perm [B]``
-    int32, a permutation); the scalar ``round`` stays. A row's draws do not depend on its slot
-    (``keys`` and ``first_round`` move with it), so its tokens do not change."""
-    return jax.tree_util.tree_map(lambda x: x if jnp.ndim(x) == 0 else jnp.take(x, perm, axis=0), state)
+def move_rows(state, src, dst, count):
+    """``state`` with row ``src[i]`` copied into row ``dst[i]`` for ``i < count`` and those source
+    rows marked done (``src``, ``dst [K]`` int32, ``count`` an int32 scalar ≤ K; every ``src[i]``
+    distinct from every ``dst[j]``); the scalar ``round`` stays. The engine's compaction: a running
+    request moves into a free slot, its tokens unchanged (``keys`` and ``first_round`` move with it).
+    Each move rewrites one row in place (the state is donated), where a permutation of the rows
+    (``jnp.take``) rewrites every row: measured at 8 slots × 2,048 tokens, int8 target, 0.25–0.41 s per permutation
+    (BENCHMARKS.md, turn 24)."""
+    src, dst = jnp.asarray(src), jnp.asarray(dst)
+
+    def move(i, st):
+        def one(x):
+            if jnp.ndim(x) == 0:
+                return x
+            return jax.lax.dynamic_update_slice_in_dim(x, jax.lax.dynamic_slice_in_dim(x, src[i], 1, axis=0),
+                                                       dst[i], axis=0)
+        return jax.tree_util.tree_map(one, st)
+
+    out = jax.lax.fori_loop(0, count, move, state)
+    moved = jnp.zeros_like(out.done).at[src].max(jnp.arange(src.shape[0]) < count)
+    return dataclasses.replace(out, done=out.done | moved)
 
 
 def head_rows(state, rows: int):
@@ -180,7 +196,7 @@ def row_ladder(slots: int) -> tuple[int, ...]:
     return (*out, int(slots))
 
 
-_permute_jit = jax.jit(permute_rows, donate_argnums=0)
+_move_jit = jax.jit(move_rows, donate_argnums=0)
 _head_jit = jax.jit(head_rows, static_argnums=1)
 _put_head_jit = jax.jit(put_head_rows, donate_argnums=0)
 _insert_jit = jax.jit(insert_row, donate_argnums=0)
@@ -222,7 +238,7 @@ class Engine:
     of its rows, running or free, so a chunk runs on the first ``b`` slots only, ``b`` the smallest of
     :func:`row_ladder` (1, 2, 4, …, ``slots``) that holds the running requests — one client is not
     charged for eight rows. Requests are kept in the lowest slots (an admission takes the lowest
-    free one; a request beyond ``b`` moves down, :func:`permute_rows`, its tokens unchanged: its
+    free one; a request beyond ``b`` moves down, :func:`move_rows`, its tokens unchanged: its
     draws follow its key and its own rounds, never its slot). Each row count is its own program
     (:meth:`warmup` compiles 1 and ``slots``; the others at first use, then from the cache). In
     float32 a request may switch between the one-row and the many-row programs as others come and
@@ -375,7 +391,7 @@ class Engine:
             st = self._placed(_end_jit(st, jax.device_put(np.ones(self.slots, bool))))
             st = self._placed(_speculate_jit(st, jax.device_put(np.ones(self.slots, bool))))
             if len(self.ladder) > 1:  # the compaction (1.5-3 s to compile: not mid-traffic)
-                st = self._placed(_permute_jit(st, jax.device_put(np.arange(self.slots, dtype=np.int32))))
+                st = self._placed(_move_jit(st, *(jax.device_put(np.zeros(self.slots, np.int32)),) * 2, jnp.int32(0)))
             if st.logprobs is not None:
                 _row_jit(st.logprobs, jnp.int32(0))
         self._state = jax.block_until_ready(st)
@@ -430,14 +446,14 @@ class Engine:
         if not high:
             return st
         low = [s for s in range(b) if s not in self._slots][: len(high)]
-        perm = np.arange(self.slots, dtype=np.int32)
-        for src, dst in zip(high, low):
-            perm[dst], perm[src] = src, dst
-            self._slots[dst] = self._slots.pop(src)
+        src, dst = np.zeros(self.slots, np.int32), np.zeros(self.slots, np.int32)
+        src[: len(high)], dst[: len(high)] = high, low
+        for a, d in zip(high, low):
+            self._slots[d] = self._slots.pop(a)
             self.rows_moved += 1
-        if self._speculating is not None:
-            self._speculating = self._speculating[perm]
-        return self._placed(_permute_jit(st, jax.device_put(perm)))
+            if self._speculating is not None:
+                self._speculating[d] = self._speculating[a]
+        return self._placed(_move_jit(st, jax.device_put(src), jax.device_put(dst), jnp.int32(len(high))))
 
     def _run_chunk(self, st, rounds: int, plain: bool = False, rows: int | None = None):
         """``rounds`` rounds over the first ``rows`` slots (default all; :meth:`Decoder.run`: its
