@@ -466,3 +466,20 @@ def test_compaction_moves_only_the_moved_rows():
     for a, b in zip(jax.tree_util.tree_leaves(none), jax.tree_util.tree_leaves(before)):
         np.testing.assert_array_equal(a, b)
 
+
+def test_auto_policy_ignores_chunk_times_that_ran_beside_an_admission():
+    """``AutoSpeculation.record(timed=False)`` (a chunk whose seconds include an admission's
+    programs): the seconds per round are taken only while that program is unmeasured; τ and the
+    probe counters are updated either way."""
+    from specjax.runtime.spec_policy import AutoSpeculation
+
+    a = AutoSpeculation()
+    a.record(True, None, 0.8, 4, 4, 4, timed=False)  # unmeasured: taken
+    assert a.t_plain[None] == 0.2
+    a.record(True, None, 4.0, 4, 4, 4, timed=False)  # measured: ignored
+    assert a.t_plain[None] == 0.2 and a.since_spec == 2
+    a.record(True, None, 0.4, 4, 4, 4)  # a clean chunk: taken (running mean)
+    assert a.t_plain[None] == pytest.approx(0.7 * 0.2 + 0.3 * 0.1)
+    a.record(False, None, 0.8, 4, 8, 4, timed=False)
+    a.record(False, None, 8.0, 4, 12, 4, timed=False)
+    assert a.t_spec[None] == 0.2 and a.tau == pytest.approx(0.7 * 2 + 0.3 * 3) and a.since_plain == 2

@@ -302,6 +302,7 @@ class Engine:
         self.ladder = row_ladder(self.slots) if ladder and decoder.mesh is None else (self.slots,)
         self.chunks_by_rows: collections.Counter = collections.Counter()  # chunks run per row count
         self.rows_moved = 0  # requests moved down by _compact
+        self.admission_programs = 0  # prefills, prompt pieces and insertions dispatched by _admit
 
     # ---- requests (any thread)
     def submit(self, req: EngineRequest) -> int:
@@ -488,7 +489,9 @@ class Engine:
             mask = np.zeros(self.slots, bool)
             mask[ending] = True
             st = self._placed(_end_jit(st, jax.device_put(mask)))
+        work = self.admission_programs
         st = self._admit(st)
+        admitting = self.admission_programs != work  # its programs still run beside the chunk (async dispatch)
         if any(s not in ending for s in self._slots):
             st = self._compact(st) if not ending else st
             rows = self._rows()
@@ -499,7 +502,7 @@ class Engine:
                 rows = list(self._slots)
                 (l0, c0, r0), (l1, c1, r1) = before, self._counters(st)
                 self._auto.record(plain, view, seconds, r1 - r0, int((l1 - l0)[rows].sum()),
-                                  int((c1 - c0)[rows].sum()))
+                                  int((c1 - c0)[rows].sum()), timed=not admitting)
         self._state = st
         return updates + self._report(st, set(ending))
 
@@ -555,6 +558,7 @@ class Engine:
         return st
 
     def _insert(self, st, row, slot, rid, req, seed):
+        self.admission_programs += 1
         st = self._placed(_insert_jit(st, row, jnp.int32(slot), jnp.bool_(req.speculative)))
         self._slots[slot] = _Running(rid, req, seed, len(req.prompt), len(req.prompt))
         if self._speculating is not None:  # what insert_row set
@@ -602,6 +606,7 @@ class Engine:
         a = self._admitting
         tparams = self.decoder.target.params
         p, n = a.prompt.shape[1], self._next_piece(a)
+        self.admission_programs += 1
         a.cache, a.hidden = prompt_piece_jit(self._sprog, tparams, a.prompt, a.cache, a.hidden,
                                              jnp.int32(a.done), n)
         a.done += n

@@ -79,14 +79,20 @@ class AutoSpeculation:
             return self.since_spec < spec_probe_every(ts, tp, self.tau) - 1
         return self.since_plain >= PROBE_PLAIN - 1
 
-    def record(self, plain: bool, view, seconds: float, rounds: int, tokens: int, row_rounds: int) -> None:
+    def record(self, plain: bool, view, seconds: float, rounds: int, tokens: int, row_rounds: int,
+               timed: bool = True) -> None:
         """A chunk's outcome: ``rounds`` rounds in ``seconds`` (decode only; admissions' prefills are
         not the method's cost); its running rows committed ``tokens`` in ``row_rounds`` rounds
-        (each row's target calls: a row that finished early counts its own rounds)."""
+        (each row's target calls: a row that finished early counts its own rounds). ``timed=False``:
+        ``seconds`` include other work that ran beside the chunk (an admission's programs, dispatched
+        asynchronously), so they update the seconds per round only while that program is unmeasured
+        — such chunks read plain rounds at 8 rows 1.7× their cost (BENCHMARKS.md, turn 24) and, since
+        speculative chunks are shortened under admission, weighed against speculation."""
         if rounds <= 0 or seconds <= 0:
             return
         table = self.t_plain if plain else self.t_spec
-        table[view] = _mean(table.get(view), seconds / rounds)
+        if timed or view not in table:
+            table[view] = _mean(table.get(view), seconds / rounds)
         if not plain and row_rounds > 0:
             self.tau = _mean(self.tau, tokens / row_rounds)
         if plain:
