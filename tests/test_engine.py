@@ -358,6 +358,8 @@ def test_long_prompts_are_admitted_piece_by_piece(monkeypatch, chunk, per_step):
     pieces = []
     real = engine_mod.prompt_piece_jit
     monkeypatch.setattr(engine_mod, "prompt_piece_jit", lambda *a: pieces.append(a[-1]) or real(*a))
+    zeroed, real_zero = [], engine_mod._zero_jit
+    monkeypatch.setattr(engine_mod, "_zero_jit", lambda t: zeroed.append(1) or real_zero(t))
     m = tiny_model(seed=1, scale=4.0, max_position_embeddings=400 + chunk)  # its own programs (the chunk is traced)
     dec = Decoder(m, NgramDrafter(3), gamma=3)
     eng = Engine(dec, slots=2, max_context=200, rounds_per_chunk=2, max_logprobs=4, ladder=False)
@@ -369,6 +371,7 @@ def test_long_prompts_are_admitted_piece_by_piece(monkeypatch, chunk, per_step):
     for j, r in enumerate(reqs[:4]):
         assert out[j][0] == _alone(dec, r).tokens[0], j
     assert 16 in pieces  # prompts admitted in pieces while the others ran
+    assert zeroed  # the second pieced admission reused the first's buffers (_piece_inputs)
     rid = eng.submit(reqs[4])  # 90 tokens into an idle engine: whole chunks; cancelled after the first
     assert eng.step() == [] and eng._admitting is not None and eng._admitting.done == chunk
     eng.cancel(rid)
@@ -483,3 +486,22 @@ def test_auto_policy_ignores_chunk_times_that_ran_beside_an_admission():
     a.record(False, None, 0.8, 4, 8, 4, timed=False)
     a.record(False, None, 8.0, 4, 12, 4, timed=False)
     assert a.t_spec[None] == 0.2 and a.tau == pytest.approx(0.7 * 2 + 0.3 * 3) and a.since_plain == 2
+
+
+def test_an_admission_reuses_the_last_ones_buffers_zeroed_in_place():
+    """``_piece_inputs``: the last pieced admission's cache and hidden (``_spare``) come back as
+    zeros, in place (the spare's arrays are donated: a fresh cache of the buffer's size page-faults
+    ≈ 100 MB in, 0.1-0.3 s of the step that starts the admission, BENCHMARKS.md turn 24); a hidden
+    of another prompt bucket is not reused. Without a spare: a new zero cache."""
+    eng = Engine(_decoder("ar"), slots=2, max_context=160, max_logprobs=None)
+    _, cache, hidden = eng._piece_inputs([3] * 70)
+    ones = lambda t: jax.tree_util.tree_map(lambda x: jax.numpy.ones_like(x), t)  # noqa: E731
+    for bucket, reused_hidden in ((70, True), (20, False)):
+        spare = (ones(cache), ones(hidden))
+        eng._spare = spare
+        arr, c2, h2 = eng._piece_inputs([3] * bucket)
+        assert eng._spare is None
+        assert all(not np.asarray(x).any() for x in jax.tree_util.tree_leaves((c2, h2)))
+        assert all(x.is_deleted() for x in jax.tree_util.tree_leaves(spare[0]))  # donated: the same memory
+        assert spare[1].is_deleted() == reused_hidden and h2.shape == (1, arr.shape[1], hidden.shape[2])
+        cache, hidden = c2, h2
