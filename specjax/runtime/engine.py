@@ -592,15 +592,12 @@ class Engine:
         arr = np.zeros((1, p), np.int32)
         arr[0, : len(prompt)] = list(prompt)
         shape = (1, p, self._sprog.feature_size)
-        spare, self._spare = self._spare, None
-        if spare is not None:  # the last admission's buffers, zeroed in place: a fresh one-row cache
-            cache = _zero_jit(spare[0])  # (≈ 100 MB at 2,304 slots) page-faults its memory in: 0.1-0.3 s
-            hidden = _zero_jit(spare[1]) if spare[1].shape == shape else None  # of the step that starts
-        else:                                                                   # the admission (turn 24)
-            cache = KVCache.create(self.decoder.target.config, 1, self.prog.buffer_len, jnp.dtype(self.prog.cache_dtype))
-            hidden = None
-        if hidden is None:
-            hidden = jnp.zeros(shape, jnp.float32)
+        (cache, hidden), self._spare = self._spare or (None, None), None
+        # the last admission's buffers, zeroed in place: a fresh one-row cache (≈ 100 MB at 2,304 slots)
+        # page-faults its memory in, 0.1-0.3 s of the step that starts the admission (BENCHMARKS.md, turn 24)
+        cache = (KVCache.create(self.decoder.target.config, 1, self.prog.buffer_len, jnp.dtype(self.prog.cache_dtype))
+                 if cache is None else _zero_jit(cache))
+        hidden = _zero_jit(hidden) if hidden is not None and hidden.shape == shape else jnp.zeros(shape, jnp.float32)
         return jax.device_put(arr), cache, hidden
 
     def _next_piece(self, a: _Admitting) -> int:
