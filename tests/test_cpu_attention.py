@@ -173,7 +173,7 @@ def test_the_same_bits_on_every_path_and_thread_count(kernel, tmp_path):
     bits. On a CPU without AVX-512 the first two runs are both the generic path."""
     default = _child(tmp_path, "default")
     generic = _child(tmp_path, "generic", SPECJAX_ATTN_GENERIC="1")
-    one = _child(tmp_path, "one", SPECJAX_ATTN_MIN_PAR_WORK="1000000000000")
+    one = _child(tmp_path, "one", SPECJAX_ATTN_MIN_PAR_WORK="2000000000")  # an int (atoi): 1e12 wrapped negative
     forced = _child(tmp_path, "forced", SPECJAX_ATTN_MIN_PAR_WORK="1")
     assert np.array_equal(default, generic)
     assert np.array_equal(default, one)

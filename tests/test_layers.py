@@ -185,3 +185,10 @@ def test_design_doc_lists_every_module():
     assert not missing, f"docs/design.md does not name: {missing}"
     stale = sorted(n for n in named if n not in modules)
     assert not stale, f"docs/design.md names modules that do not exist: {stale}"
+
+
+def test_every_module_says_what_it_owns():
+    """Every module of the package, ``__init__`` included, opens with a docstring (issue 50)."""
+    missing = sorted(str(p.relative_to(ROOT.parent)) for p in ROOT.rglob("*.py")
+                     if not ast.get_docstring(ast.parse(p.read_text(encoding="utf-8"))))
+    assert not missing, f"modules without a docstring: {missing}"

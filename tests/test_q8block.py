@@ -272,7 +272,7 @@ def test_a_background_build_is_awaited_by_load(kernel, tmp_path):
         "import numpy as np, jax, os, sys\n"
         "from specjax.models import q8\n"
         "assert q8.start_build() and q8.expected()\n"
-        "assert q8._builder.is_alive()  # building: expected() did not wait\n"
+        "assert q8.KERNEL.builder.is_alive()  # building: expected() did not wait\n"
         "lib = q8.load()\n"
         "assert lib is not None and q8.load() is lib and q8.available()\n"
         "q8.join_build(); assert not q8.start_build()\n"

@@ -55,6 +55,28 @@ def test_no_data_is_none_everywhere():
     json.dumps(table, allow_nan=False)  # valid JSON: no NaN anywhere
 
 
+def test_tau_and_tokens_per_s_are_defined_once():
+    """τ and tokens/s have one formula each (runtime/stats.py, issue 50): RunStats, a batch's
+    GenerationResult and a row's τ in results.py, a prompt's tokens/s in eval/bench.py call it."""
+    import math
+    import pathlib
+    import re
+
+    from specjax.runtime.results import GenerationResult
+    from specjax.runtime.stats import tau, tokens_per_second
+
+    assert tau(6, 3) == 2.0 and tau(0, 3) == 0.0 and tau(5, 0) is None and tau(None, 2) is None
+    assert tokens_per_second(10, 2.0) == 5.0 and tokens_per_second(0, 2.0) == 0.0
+    assert all(tokens_per_second(10, d) is None for d in (0, 0.0, -1.0, None, math.nan, math.inf))
+    r = GenerationResult([[1, 2, 3], [4]], [], 0.0, 0.0, 2.0)
+    assert r.tokens_per_s == tokens_per_second(4, 2.0) == RunStats(new_tokens=4, decode_s=2.0).tokens_per_s == 2.0
+    src = pathlib.Path(__file__).resolve().parent.parent / "specjax"
+    own = re.compile(r"/\s*\w+\.decode_s\b|/\s*\w+\[\"target_calls\"\]|ratio\(.*\b(decode_s|target_calls)\b")
+    for rel in ("runtime/results.py", "eval/bench.py"):
+        lines = [ln for ln in (src / rel).read_text(encoding="utf-8").splitlines() if own.search(ln)]
+        assert not lines, f"{rel} computes τ or tokens/s itself (use specjax.runtime.stats): {lines}"
+
+
 def test_decode_settings_validate_and_derive():
     import pytest
 

@@ -12,12 +12,13 @@ from __future__ import annotations
 import os
 import sys
 
-from specjax.core import interrupt
+from specjax.core import env, interrupt
 from specjax.cli import analyze, bench, distill, generate, plan, serve
 from specjax.cli.common import (  # noqa: F401  (the shared helpers, for scripts and tests)
     UsageError, Parser, user_errors, add_model_args, collect_prompts, describe_error, enable_compilation_cache,
     load_target_and_drafter, note, parse_gamma, resolve,
 )
+from specjax.cli.errors import backend_error
 from specjax.cli.generate import unescape  # noqa: F401
 
 COMMANDS = (generate, bench, analyze, distill, serve, plan)
@@ -41,7 +42,10 @@ def build_parser() -> Parser:
 
 def main(argv=None) -> int:
     """Run the command line; a user error is one line ``specjax: error: …`` and exit status 2
-    (``SPECJAX_DEBUG=1`` re-raises it with its traceback).
+    (``SPECJAX_DEBUG=1`` re-raises it with its traceback). Before the command runs, every declared
+    environment variable that is set is checked (:func:`specjax.core.env.check_all`: a bad value is
+    such a line); a backend that ``JAX_PLATFORMS`` names but JAX cannot start is one too
+    (:func:`specjax.cli.errors.backend_error`).
 
     Ctrl+C (SIGINT) prints ``specjax: interrupted``, keeps the text already streamed (stdout is
     flushed) and exits with status 130. Run as the ``specjax`` command (``argv is None``), the
@@ -64,17 +68,24 @@ def main(argv=None) -> int:
     from specjax.runtime import programs
 
     try:
-        if not os.environ.get("SPECJAX_NO_CACHE") and enable_compilation_cache():
+        env.check_all()
+        if not env.get("SPECJAX_NO_CACHE") and enable_compilation_cache():
             programs.enable()  # exported programs next to the compilation cache: warm starts skip tracing
         return args.func(args) or 0
     except BrokenPipeError:  # the reader of stdout went away (`specjax generate … | head`): stop quietly
         _silence_stdout()
         return 141  # 128 + SIGPIPE, as a Unix tool killed by it
     except user_errors() as e:
-        if os.environ.get("SPECJAX_DEBUG"):
+        if _debug():
             raise
         msg = " ".join(describe_error(e).split())  # one line, whatever the raiser wrote
         print(f"specjax: error: {msg}", file=sys.stderr)
+        return 2
+    except (AssertionError, RuntimeError) as e:  # JAX could not start the backend JAX_PLATFORMS names
+        line = backend_error(e)
+        if line is None or _debug():
+            raise
+        print(f"specjax: error: {' '.join(line.split())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("specjax: interrupted", file=sys.stderr)
@@ -86,6 +97,14 @@ def main(argv=None) -> int:
         for kernel in ("specjax.models.q8", "specjax.models.cpu_attention"):
             if kernel in sys.modules:
                 sys.modules[kernel].join_build()
+
+
+def _debug() -> bool:
+    """``SPECJAX_DEBUG`` is on (a value it does not accept counts as off: that error is the one shown)."""
+    try:
+        return bool(env.get("SPECJAX_DEBUG"))
+    except env.EnvError:
+        return False
 
 
 def _exit_now(status: int) -> None:

@@ -1,6 +1,8 @@
 """The command line's one-line messages (part of :mod:`specjax.cli.common`, which re-exports
-them): :class:`UsageError`, the parser whose errors are one line, ``specjax: note:`` lines, and
-the one-line text of every user error (:func:`describe_error`)."""
+them): :class:`UsageError`, the parser whose errors are one line, ``specjax: note:`` lines, the
+one-line text of every user error (:func:`describe_error`; a bad environment variable is one:
+:class:`specjax.core.env.EnvError`) and of a backend that ``JAX_PLATFORMS`` names but JAX cannot
+start here (:func:`backend_error`)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,10 @@ import argparse
 import json
 import re
 import sys
+import traceback
 
+from specjax.core import env
+from specjax.core.env import EnvError
 from specjax.core.notes import note  # noqa: F401  (re-exported: one stderr line ``specjax: note: …``)
 from specjax.models.config import CheckpointError
 
@@ -80,9 +85,10 @@ def describe_error(e: BaseException) -> str:
 
 
 def user_errors() -> tuple:
-    """Exception types ``main()`` reports as one line: usage, checkpoint and file-format errors
-    (all ValueError subclasses: JSON, TOML, UnicodeDecodeError), OS errors, SafetensorError."""
-    types = [UsageError, ValueError, CheckpointError, OSError]
+    """Exception types ``main()`` reports as one line: usage, environment-variable, checkpoint and
+    file-format errors (all ValueError subclasses: JSON, TOML, UnicodeDecodeError), OS errors,
+    SafetensorError."""
+    types = [UsageError, EnvError, ValueError, CheckpointError, OSError]
     try:
         from safetensors import SafetensorError
 
@@ -90,3 +96,61 @@ def user_errors() -> tuple:
     except ImportError:  # pragma: no cover
         pass
     return tuple(types)
+
+
+_JAX_INIT = re.compile(r"Unable to initialize backend '([^']+)': (.*?)(?: \(set JAX_PLATFORMS=.*\))?\s*$", re.S)
+_INSTALL = {"cuda": "install jax[cuda12]", "rocm": "install jax[rocm]", "tpu": "install jax[tpu]"}
+
+
+def _cuda_missing() -> str:
+    """Why JAX has no CUDA backend here: no NVIDIA GPU visible and/or no CUDA plugin installed."""
+    from importlib import metadata
+
+    why = []
+    try:
+        from jax._src import hardware_utils
+
+        if not hardware_utils.has_visible_nvidia_gpu():
+            why.append("no NVIDIA GPU is visible")
+    except (ImportError, AttributeError, OSError):  # another jax: say only what is known
+        pass
+    plugins = []
+    for dist in ("jax-cuda12-plugin", "jax-cuda13-plugin"):
+        try:
+            metadata.version(dist)
+            plugins.append(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    if not plugins:
+        why.append("no jax CUDA plugin is installed")
+    return " and ".join(why) or "JAX found no CUDA device"
+
+
+def backend_error(e: BaseException) -> str | None:
+    """The one line for JAX failing to start a backend that ``JAX_PLATFORMS`` names (``cuda`` on a
+    host without CUDA: JAX skips it and fails a bare ``assert``; ``tpu`` without libtpu: a
+    RuntimeError), naming the variable, the cause and the fix; None when ``e`` is not that."""
+    platforms = (env.get("JAX_PLATFORMS") or "").strip()
+    if not platforms:
+        return None
+    if isinstance(e, AssertionError):
+        frames = traceback.extract_tb(e.__traceback__)
+        if not frames or not frames[-1].filename.replace("\\", "/").endswith("jax/_src/xla_bridge.py"):
+            return None
+        names = [p.strip().lower() for p in platforms.split(",") if p.strip()]
+        if any(n in ("cuda", "gpu") for n in names):
+            return (f"JAX_PLATFORMS={platforms} but no CUDA backend is available here ({_cuda_missing()}); "
+                    "unset JAX_PLATFORMS (or set JAX_PLATFORMS=cpu) or install jax[cuda12] on a host with an NVIDIA GPU")
+        return (f"JAX_PLATFORMS={platforms} but JAX started none of its backends here; "
+                "unset JAX_PLATFORMS or set JAX_PLATFORMS=cpu")
+    if isinstance(e, RuntimeError):
+        m = _JAX_INIT.search(str(e))
+        if m is None:
+            return None
+        name, cause = m.group(1), " ".join(m.group(2).split())
+        fix = _INSTALL.get(name, "name a backend this jax has")
+        if "gpu" in [p.strip().lower() for p in platforms.split(",")]:  # jax reads gpu as cuda, then rocm
+            fix = "install jax[cuda12] (NVIDIA) or jax[rocm] (AMD)"
+        return (f"JAX_PLATFORMS={platforms} but JAX cannot start the {name} backend here ({cause}); "
+                f"unset JAX_PLATFORMS (or set JAX_PLATFORMS=cpu) or {fix}")
+    return None

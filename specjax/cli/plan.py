@@ -19,6 +19,7 @@ import re
 from specjax.cli.common import (
     UsageError, add_draft_flags, add_dtype_flag, add_mesh_flag, add_model_flag, parse_gamma,
 )
+from specjax.core import env
 
 _UNITS = {"": 1, "b": 1, "k": 2 ** 10, "kib": 2 ** 10, "kb": 10 ** 3, "m": 2 ** 20, "mib": 2 ** 20, "mb": 10 ** 6,
           "g": 2 ** 30, "gib": 2 ** 30, "gb": 10 ** 9, "t": 2 ** 40, "tib": 2 ** 40, "tb": 10 ** 12}
@@ -67,7 +68,7 @@ def cpu_devices(n: int):
     from jax._src import xla_bridge
 
     if not xla_bridge.backends_are_initialized():
-        flags = os.environ.get("XLA_FLAGS", "")
+        flags = env.get("XLA_FLAGS") or ""
         have = [int(x) for x in re.findall(r"--xla_force_host_platform_device_count=([0-9]+)", flags)]
         flags = re.sub(r"--xla_force_host_platform_device_count=\S*", "", flags)
         flags += f" --xla_force_host_platform_device_count={max([n, *have])}"
@@ -135,7 +136,7 @@ def cmd_plan(args) -> int:
         raise UsageError(line)
     devices = cpu_devices(req.devices)
     devices = devices if on_mesh else None  # one device, no mesh: the program generate runs without --mesh
-    progress = None if os.environ.get("SPECJAX_NO_PROGRESS") else Progress()
+    progress = None if env.get("SPECJAX_NO_PROGRESS") else Progress()
     where = f"{req.devices} virtual CPU device{'s' if req.devices > 1 else ''}"
     with phase(progress, f"compiling the prefill and decode loop of {req.name} on {where} (no weights allocated)"):
         fig = plan.plan(req, devices)

@@ -188,14 +188,16 @@ class Drafter:
         heads were trained on raw streams, :mod:`specjax.drafters.eagle3_head`); ``False`` (default).
       proposes_trees: ``True``: it implements :meth:`propose_tree` for any top-k; ``False``: chains
         only (a tree of top-k 1 is decoded with its chain, :meth:`propose` with γ = D).
-      always_proposes: ``num_valid`` is always γ (a model drafter without a confidence cut-off).
-        With a tree: every row always has at least one valid node (the loop then compiles only
-        the tree call, no one-token step for rounds without drafts).
-        The loop then compiles only the γ+1-token verification call (a round with nothing
-        allowed, near ``max_new_tokens``, verifies with ``num_allowed = 0``, which is a plain
-        step's distribution); otherwise it also compiles a one-token target step for rounds
-        where no row has a draft (n-gram misses), which halves nothing there but doubles the
-        target's share of the compile.
+      always_proposes: it drafts in every round: a chain's ``num_valid`` is always γ, a tree has
+        at least one valid node in every row (a draft model, the block drafter, an EAGLE drafter
+        without a confidence cut-off; ``False`` for the n-gram drafter: no match, no drafts). The
+        decode loop then compiles only the verification call (γ+1 tokens, or the tree call); a
+        round where no row may accept a draft (near ``max_new_tokens``, rows done or not
+        speculating) verifies with ``num_allowed = 0``, which is a plain step's distribution.
+        ``False`` (the default): the loop also compiles a one-token target step and runs it
+        instead (``lax.cond``) in rounds where no row has a draft (n-gram misses), so such a round
+        costs a plain step rather than a verification, at the price of a second target program
+        in the compile.
       context_limit: the most positions its own state holds (e.g. a draft model's context), or
         ``None`` (no limit of its own); a row holds at most the smaller of the target's and this.
       causal_model: a :class:`CausalModel` when the drafter is a whole causal LM over the target

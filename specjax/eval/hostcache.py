@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from specjax.core import notes
+from specjax.core import env, notes
 from specjax.core.paths import usable_cache_dir
 from specjax.io.convcache import cache_dir  # noqa: F401  (one rule for every specjax cache)
 
@@ -99,7 +99,7 @@ def host_fingerprint() -> dict:
         "backend": jax.default_backend(),
         "device_kind": devs[0].device_kind if devs else "",
         "devices": len(devs),
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "xla_flags": env.get("XLA_FLAGS") or "",
         "specjax": version("specjax"),
         "jax": jax.__version__,
         "jaxlib": version("jaxlib"),
@@ -227,7 +227,7 @@ def default_cache() -> HostCache | None:
     """The command line's cache: a :class:`HostCache` in :func:`cache_dir`, or ``None`` when
     ``SPECJAX_NO_CACHE`` is set or the cache directory is not usable (a file: one note,
     :func:`specjax.core.paths.usable_cache_dir`): every run measures, nothing is written."""
-    if os.environ.get("SPECJAX_NO_CACHE") or usable_cache_dir() is None:
+    if env.get("SPECJAX_NO_CACHE") or usable_cache_dir() is None:
         return None
     return HostCache()
 

@@ -43,7 +43,7 @@ from typing import Callable
 
 import numpy as np
 
-from specjax.core import notes
+from specjax.core import env, notes
 from specjax.core.paths import cache_dir, usable_cache_dir  # noqa: F401  (the rule lives in core: every layer uses it)
 
 # Bump when the conversion's result changes in a way the hashed sources below do not show
@@ -62,9 +62,9 @@ _DIGESTS: dict = {}  # real path -> {"size", "mtime_ns", "sha256"}, this process
 
 
 def enabled() -> bool:
-    """Whether the cache is on: ``SPECJAX_NO_CACHE`` unset or empty, and :func:`cache_dir` usable
+    """Whether the cache is on: ``SPECJAX_NO_CACHE`` unset, empty or off (``0``), and :func:`cache_dir` usable
     (:func:`specjax.core.paths.usable_cache_dir`: else one note says why it is off)."""
-    return not os.environ.get("SPECJAX_NO_CACHE") and usable_cache_dir() is not None
+    return not env.get("SPECJAX_NO_CACHE") and usable_cache_dir() is not None
 
 
 def _oneline(e: BaseException) -> str:
@@ -112,7 +112,15 @@ def _atomic_write(path: str, write: Callable[[str], None]) -> None:
         raise
 
 
-def _sha256_file(path: str, chunk: int = 1 << 20) -> str:
+def forget_digests() -> None:
+    """Forget the file hashes this process remembers (as a new process would: only the cache's
+    ``sources.json`` remembers them then)."""
+    _DIGESTS.clear()
+
+
+def sha256_file(path: str, chunk: int = 1 << 20) -> str:
+    """SHA-256 (hex) of the file's content, read ``chunk`` bytes at a time; every source hash
+    of the cache is computed here."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while True:
@@ -142,7 +150,7 @@ class ConversionCache:
     def _file_digest(path: str, memo: dict, changed: list) -> str:
         st = os.stat(path)
         if time.time_ns() - st.st_mtime_ns < _RACY_NS:  # may change again within its time stamp: no memo
-            return _sha256_file(path)
+            return sha256_file(path)
         want = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
         def current(rec):
@@ -153,7 +161,7 @@ class ConversionCache:
             return memo[path]["sha256"]
         rec = _DIGESTS.get(path)  # this process's (another cache directory's) memo
         if not current(rec):
-            rec = dict(want, sha256=_sha256_file(path))
+            rec = dict(want, sha256=sha256_file(path))
         memo.pop(path, None)  # re-inserted last: the most recent entries are kept
         memo[path] = _DIGESTS[path] = rec
         changed.append(path)

@@ -99,16 +99,21 @@ def load_model(
     mesh=None,
     max_model_len: int | None = None,
 ) -> Model:
-    """Load a Llama-family model.
+    """Load a model of the Llama family (Llama, Mistral, Qwen2/3, Gemma 2/3 text:
+    :data:`specjax.models.config.SUPPORTED_MODEL_TYPES`).
 
     Args:
       path_or_id: ``None``/``"default"`` for the embedded SmolLM2-135M-Instruct GGUF; a
         ``.gguf`` file; a Hugging Face model directory (``config.json``,
         ``model.safetensors`` or a sharded index, ``tokenizer.json``); or a hub id
         (``org/name``, read from the local Hugging Face cache; nothing is downloaded).
-      dtype: weight format: ``"float32"`` (CPU default), ``"bfloat16"`` (bf16 weights,
-        float32 accumulation; the GPU/TPU default) or ``"int8"`` (per-channel int8 weights,
-        per-row int8 activations).
+      dtype: weight format, on every backend ``"float32"`` unless given: ``"float32"``,
+        ``"bfloat16"`` (bf16 weights, float32 accumulation; a bfloat16 KV cache on GPU/TPU,
+        :func:`specjax.models.attention.kv_cache_dtype`) or ``"int8"`` (8-bit codes with a
+        float32 scale and offset per block of 32 inputs times two-level int8 activations per
+        block: :mod:`specjax.models.q8`). Nothing here picks a format by backend: the command
+        line's ``--dtype auto`` does (:func:`specjax.eval.auto.fastest_format`; for the default
+        model it predicts bfloat16 on GPU/TPU, int8 on an x86 CPU where the kernel builds).
       place: optional ``(path, array) -> jax.Array`` to put each tensor on its device/sharding.
       mesh: optional device mesh (a ``jax.sharding.Mesh``, a
         :class:`specjax.runtime.sharding.MeshSpec` or ``"data=D,model=M"``): every tensor is
@@ -538,7 +543,7 @@ def save_model(model: Model, path: str, extra_metadata: dict | None = None) -> s
         json.dump(hf_config_dict(cfg), f, indent=2)
     tok = model.tokenizer
     if tok is not None:
-        tok._tok.save(os.path.join(path, "tokenizer.json"))
+        tok.save_tokenizer_json(os.path.join(path, "tokenizer.json"))
         tcfg = {k: v for k, v in tok.special_tokens.items()}
         tcfg["add_bos_token"] = tok.add_bos
         if tok.chat_template:

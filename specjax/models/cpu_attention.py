@@ -22,72 +22,53 @@ rounding (≈ 1e-6 relative), not by rule.
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import os
-import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.core import notes
+from specjax.core import env
 from specjax.models import kernels, q8  # q8: the kernels' thread count
 
 SOURCE = os.path.join(kernels.HERE, "attention.cc")
 LIB_NAME = "libspecjax_attention.so"
 TARGET = "specjax_cache_attention"
 MAX_HEAD_DIM = 256  # the kernel's largest head_dim
-ENV = "SPECJAX_ATTENTION"  # "xla": the blocked jnp computation on CPU too (benchmarks, A/B runs)
+ENV = "SPECJAX_ATTENTION"  # "xla": the blocked jnp computation on CPU too (benchmarks, A/B runs); "auto"
 
-_LOCK = threading.Lock()
-
-
-@functools.lru_cache(maxsize=1)
-def _load_once():
-    try:
-        lib = ctypes.cdll.LoadLibrary(kernels.build(SOURCE, LIB_NAME))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.Attention), platform="cpu")
-        return lib, None
-    except Exception as e:  # noqa: BLE001  (any failure: the blocked jnp computation is used)
-        reason = f"{type(e).__name__}: {' '.join(str(e).split())}"[:400]
-        notes.note(f"the CPU attention kernel is not available ({reason}); using the blocked jnp attention")
-        return None, reason
+KERNEL = kernels.Kernel(SOURCE, LIB_NAME, {TARGET: "Attention"}, what="the CPU attention kernel",
+                        fallback="the blocked jnp attention", thread="specjax-attention-build")
 
 
 def load():
-    """The kernel's ctypes library (built and registered on first call; thread-safe), or None."""
-    with _LOCK:
-        return _load_once()[0]
+    """The kernel's ctypes library (built and registered on first call; thread-safe:
+    :class:`specjax.models.kernels.Kernel`), or None."""
+    return KERNEL.load()
 
 
 def unavailable_reason() -> str | None:
     """Why the kernel cannot be used (None when it can)."""
-    with _LOCK:
-        return _load_once()[1]
-
-
-_builder = kernels.BackgroundBuild("specjax-attention-build", lambda: load())
+    return KERNEL.unavailable_reason()
 
 
 def start_build() -> bool:
     """Build (when not yet in the cache) and load the kernel on a background thread, so a cold start
     overlaps the compiler's ≈ 5 s with loading the weights; :func:`load` (and so :func:`enabled`)
     waits for it. Returns whether a thread was started (or one is running)."""
-    return _builder.start(lambda: not _load_once.cache_info().currsize and os.environ.get(ENV, "").strip().lower()
-                          != "xla" and jax.default_backend() == "cpu" and kernels.buildable(SOURCE))
+    return KERNEL.start_build(lambda: env.get(ENV) != "xla" and jax.default_backend() == "cpu")
 
 
 def join_build() -> None:
     """Wait for a :func:`start_build` thread (before the interpreter shuts down)."""
-    _builder.join()
+    KERNEL.join_build()
 
 
 def _wanted() -> bool:
-    """``SPECJAX_ATTENTION`` is not ``xla`` and the default backend is CPU with one device (a mesh
+    """``SPECJAX_ATTENTION`` is not ``xla`` (unset, or ``auto``; another value is
+    :class:`~specjax.core.env.EnvError`) and the default backend is CPU with one device (a mesh
     keeps the blocked computation, which XLA can partition)."""
-    return (os.environ.get(ENV, "").strip().lower() != "xla" and jax.default_backend() == "cpu"
-            and jax.device_count() == 1)
+    return env.get(ENV) != "xla" and jax.default_backend() == "cpu" and jax.device_count() == 1
 
 
 def planned() -> bool:
@@ -95,7 +76,7 @@ def planned() -> bool:
     (what measurements of speed are keyed by, :func:`specjax.eval.hostcache.host_fingerprint`)."""
     if not _wanted():
         return False
-    return load() is not None if _load_once.cache_info().currsize else kernels.buildable(SOURCE)
+    return load() is not None if KERNEL.tried() else KERNEL.buildable()
 
 
 def enabled() -> bool:
@@ -135,5 +116,5 @@ def attend(q, k_cache, v_cache, positions, scale: float, softcap: float | None =
     call = jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")
     o = call(q.astype(jnp.float32), k_cache.astype(jnp.float32), v_cache.astype(jnp.float32), lo, prefix,
              extra.astype(jnp.int32), n_extra.astype(jnp.int32), scale=np.float32(scale),
-             softcap=np.float32(softcap or 0.0), threads=np.int64(q8.DEFAULT_THREADS))
+             softcap=np.float32(softcap or 0.0), threads=np.int64(q8.default_threads()))
     return o.reshape(b, t, h * hd)

@@ -1,6 +1,8 @@
-"""Building specjax's CPU kernels (XLA FFI custom calls, C++ sources shipped in this package):
-the block int8 matmul (:mod:`specjax.models.q8`, ``q8block.cc``) and the attention over the KV cache
-(:mod:`specjax.models.cpu_attention`, ``attention.cc``); both include ``cpu_pool.h``.
+"""Building and loading specjax's CPU kernels (XLA FFI custom calls, C++ sources shipped in this
+package): the block int8 matmul (:mod:`specjax.models.q8`, ``q8block.cc``) and the attention over the
+KV cache (:mod:`specjax.models.cpu_attention`, ``attention.cc``); both include ``cpu_pool.h``. The one
+load path is :class:`Kernel` (build, ``ctypes`` load, FFI target registration, the note when it
+fails, the background build); the kernel modules declare theirs and call it.
 
 A kernel is compiled on first use with the system C++ compiler (``$CXX``, ``g++`` or ``c++``) into
 ``<cache dir>/kernels/<sha256 of its sources, the flags, the compiler and the jax version>/<lib>``
@@ -10,6 +12,7 @@ A kernel is compiled on first use with the system C++ compiler (``$CXX``, ``g++`
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import platform
@@ -21,6 +24,7 @@ from typing import Callable
 
 import jax
 
+from specjax.core import env, notes
 from specjax.core.paths import cache_dir
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -31,7 +35,7 @@ CXX_FLAGS = ("-O3", "-shared", "-fPIC", "-std=c++17", "-ffp-contract=off", "-Wno
 
 def compiler() -> str | None:
     """The C++ compiler to use (``$CXX``, ``g++``, ``c++``: the first found), or None."""
-    for name in (os.environ.get("CXX"), "g++", "c++"):
+    for name in (env.get("CXX"), "g++", "c++"):
         if name and shutil.which(name):
             return shutil.which(name)
     return None
@@ -139,3 +143,65 @@ class BackgroundBuild:
         """Wait for the build thread, if one was started (before the interpreter shuts down)."""
         if self._thread is not None:
             self._thread.join()
+
+
+class Kernel:
+    """One CPU kernel library: built by :func:`build` and loaded with :mod:`ctypes` once per process
+    (thread-safe: a background build and the caller may ask at once: one build, one registration),
+    its FFI handlers registered with XLA as CPU custom-call targets. When any step fails, one
+    ``specjax: note:`` says why and what is used instead, and :meth:`load` is None for the process.
+
+    source: the ``.cc`` file; lib_name: the library's file name; targets: ``{XLA target name:
+    exported handler symbol}``; what: the kernel in words (the note's subject); fallback: what the
+    caller uses instead (the note's end); thread: the background build thread's name."""
+
+    def __init__(self, source: str, lib_name: str, targets: dict[str, str], what: str, fallback: str,
+                 thread: str):
+        self.source, self.lib_name, self.targets = source, lib_name, dict(targets)
+        self.what, self.fallback = what, fallback
+        self._lock = threading.Lock()
+        self._result: tuple | None = None  # (library, None) or (None, reason), once tried
+        self.builder = BackgroundBuild(thread, self.load)
+
+    def _try_load(self) -> tuple:
+        try:
+            lib = ctypes.cdll.LoadLibrary(build(self.source, self.lib_name))
+            for target, symbol in self.targets.items():
+                jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+            return lib, None
+        except Exception as e:  # noqa: BLE001  (any failure: the caller's fallback is used)
+            reason = f"{type(e).__name__}: {' '.join(str(e).split())}"[:400]
+            notes.note(f"{self.what} is not available ({reason}); using {self.fallback}")
+            return None, reason
+
+    def _loaded(self) -> tuple:
+        with self._lock:
+            if self._result is None:
+                self._result = self._try_load()
+            return self._result
+
+    def load(self):
+        """The kernel's ctypes library (built, loaded and registered on the first call), or None."""
+        return self._loaded()[0]
+
+    def unavailable_reason(self) -> str | None:
+        """Why the kernel cannot be used (None when it can)."""
+        return self._loaded()[1]
+
+    def tried(self) -> bool:
+        """Whether :meth:`load` has run to its end in this process (loaded, or failed)."""
+        return self._result is not None
+
+    def buildable(self) -> bool:
+        """:func:`buildable` for this kernel's source."""
+        return buildable(self.source)
+
+    def start_build(self, wanted: Callable[[], bool]) -> bool:
+        """Build and load on a background thread (:class:`BackgroundBuild`) unless tried already,
+        ``wanted()`` is false (the caller's conditions: the backend, a switch) or it is not
+        :meth:`buildable` here. Returns whether a thread was started (or one is running)."""
+        return self.builder.start(lambda: not self.tried() and wanted() and self.buildable())
+
+    def join_build(self) -> None:
+        """Wait for a :meth:`start_build` thread (before the interpreter shuts down)."""
+        self.builder.join()

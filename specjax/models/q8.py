@@ -29,16 +29,14 @@ as the kernel on CPU.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import os
-import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.core import notes
+from specjax.core import env, notes
 from specjax.models import kernels
 
 BLOCK = 32
@@ -48,14 +46,15 @@ TARGETS = {False: "specjax_q8block_kn", True: "specjax_q8block_nk"}
 ISAS = ("scalar", "avx2", "avx512vnni")
 
 
-def _default_threads() -> int:
-    """Threads over N per kernel call: the cores this process may run on (at most 8), or
-    ``SPECJAX_Q8_THREADS`` (a positive integer; anything else is ignored). The helpers are a
-    persistent pool in the kernel (q8block.cc), so a call pays microseconds to split, not a thread
-    start; calls of fewer than ``SPECJAX_Q8_MIN_PAR_ROWS`` (64) rows — decode's — run on one thread."""
-    env = os.environ.get("SPECJAX_Q8_THREADS", "")
-    if env.isdigit() and int(env) > 0:
-        return int(env)
+def default_threads() -> int:
+    """Threads over N per kernel call: ``SPECJAX_Q8_THREADS`` (an integer >= 1; another value is
+    :class:`~specjax.core.env.EnvError`), else the cores this process may run on (at most 8). The
+    helpers are a persistent pool in the kernel (q8block.cc), so a call pays microseconds to split,
+    not a thread start; calls of fewer than ``SPECJAX_Q8_MIN_PAR_ROWS`` (64) rows — decode's — run
+    on one thread. The attention kernel (:mod:`specjax.models.cpu_attention`) uses the same count."""
+    given = env.get("SPECJAX_Q8_THREADS")
+    if given is not None:
+        return given
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
@@ -63,48 +62,26 @@ def _default_threads() -> int:
     return max(1, min(cores, 8))
 
 
-DEFAULT_THREADS = _default_threads()
-
-
 # ------------------------------------------------------------------ build / load
+KERNEL = kernels.Kernel(SOURCE, LIB_NAME, {TARGETS[False]: "Q8BlockKN", TARGETS[True]: "Q8BlockNK"},
+                        what="the block int8 CPU kernel", fallback="the jnp reference", thread="specjax-q8-build")
+
+
 def build() -> str:
     """The path of the compiled kernel (:func:`specjax.models.kernels.build`: reused from the cache
     directory, else compiled there). Raises RuntimeError with the reason when it cannot be built."""
     return kernels.build(SOURCE, LIB_NAME)
 
 
-_LOAD_LOCK = threading.Lock()
-
-
-def _load():
-    """``(ctypes library, None)`` once registered with XLA, or ``(None, reason)``; thread-safe (a
-    prefetch thread and the loader may ask at once: one build, one registration)."""
-    with _LOAD_LOCK:
-        return _load_once()
-
-
-@functools.lru_cache(maxsize=1)
-def _load_once():
-    try:
-        lib = ctypes.cdll.LoadLibrary(build())
-        for nk, name in TARGETS.items():
-            fn = lib.Q8BlockNK if nk else lib.Q8BlockKN
-            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(fn), platform="cpu")
-        return lib, None
-    except Exception as e:  # noqa: BLE001  (any failure: the reference is used)
-        reason = f"{type(e).__name__}: {' '.join(str(e).split())}"[:400]
-        notes.note(f"the block int8 CPU kernel is not available ({reason}); using the jnp reference")
-        return None, reason
-
-
 def load():
-    """The kernel's ctypes library (built and registered on first call), or None."""
-    return _load()[0]
+    """The kernel's ctypes library (built and registered on first call; thread-safe:
+    :class:`specjax.models.kernels.Kernel`), or None."""
+    return KERNEL.load()
 
 
 def unavailable_reason() -> str | None:
     """Why the kernel cannot be used (None when it can)."""
-    return _load()[1]
+    return KERNEL.unavailable_reason()
 
 
 @functools.lru_cache(maxsize=None)
@@ -112,33 +89,29 @@ def _backend_note(backend: str) -> None:
     notes.note(f"the block int8 CPU kernel is not used on the {backend} backend; using the jnp reference")
 
 
-_builder = kernels.BackgroundBuild("specjax-q8-build", lambda: _load())
-
-
 def start_build() -> bool:
     """Build (when not yet in the cache) and load the kernel on a background thread, so a cold
     start overlaps the compiler's ≈ 4–7 s with other work; :func:`load` waits for it. Only on a
     host where :func:`buildable`; returns whether a thread was started (or one is running)."""
-    return _builder.start(lambda: not _load_once.cache_info().currsize and jax.default_backend() == "cpu"
-                          and buildable())
+    return KERNEL.start_build(lambda: jax.default_backend() == "cpu")
 
 
 def join_build() -> None:
     """Wait for a :func:`start_build` thread (before the interpreter shuts down)."""
-    _builder.join()
+    KERNEL.join_build()
 
 
 def buildable() -> bool:
     """Whether :func:`build` would compile here (x86-64 Linux, a C++ compiler, the source), without
     building."""
-    return kernels.buildable(SOURCE)
+    return KERNEL.buildable()
 
 
 def expected() -> bool:
     """:func:`available`, except while a :func:`start_build` thread is still building: then whether
     this host can build it (the build's outcome is not awaited; a failed build leaves int8 on the
     jnp reference with one note, as :func:`available` says)."""
-    if _builder.is_alive():
+    if KERNEL.builder.is_alive():
         return jax.default_backend() == "cpu" and buildable()
     return available()
 
@@ -182,7 +155,7 @@ def block_matmul(x2d, codes, scale, transposed: bool = False, threads: int | Non
     ``codes`` uint8 ``[K, ...]`` with ``scale [2, ceil(K/32), ...]`` (KN), or with
     ``transposed=True`` ``codes [N, K]``, ``scale [2, N, ceil(K/32)]`` (NK). The kernel when it is
     available and K is a multiple of 32, else :func:`block_matmul_ref` (the same bits on CPU).
-    ``threads``: threads over N for the kernel (default :data:`DEFAULT_THREADS`)."""
+    ``threads``: threads over N for the kernel (default :func:`default_threads`)."""
     codes2, scale2 = _as_2d(codes, scale, transposed)
     K = x2d.shape[-1]
     N = codes2.shape[0] if transposed else codes2.shape[1]
@@ -191,7 +164,7 @@ def block_matmul(x2d, codes, scale, transposed: bool = False, threads: int | Non
     out = jax.ShapeDtypeStruct((x2d.shape[0], N), jnp.float32)
     call = jax.ffi.ffi_call(TARGETS[bool(transposed)], out)
     return call(x2d.astype(jnp.float32), codes2.astype(jnp.uint8), scale2.astype(jnp.float32),
-                threads=np.int64(DEFAULT_THREADS if threads is None else threads))
+                threads=np.int64(default_threads() if threads is None else threads))
 
 
 # ------------------------------------------------------------------ references

@@ -57,6 +57,8 @@ from typing import Callable
 import jax
 from jax.tree_util import tree_flatten, tree_leaves, tree_unflatten
 
+from specjax.core import env
+
 FORMAT = 3  # 3: the kernels an entry calls are named (the attention kernel)
 MAX_ENTRIES = 64
 MAX_TAGS = 32  # tags kept in recent.json (newest first)
@@ -100,7 +102,7 @@ def finish() -> None:
 
 def directory() -> str | None:
     """Where exported programs are kept now, or None (off, or ``SPECJAX_NO_PROGRAM_CACHE=1``)."""
-    if os.environ.get("SPECJAX_NO_PROGRAM_CACHE") or os.environ.get("SPECJAX_NO_CACHE"):
+    if env.get("SPECJAX_NO_PROGRAM_CACHE") or env.get("SPECJAX_NO_CACHE"):
         return None
     return _dir
 
@@ -374,7 +376,7 @@ def prefetch(tag: str) -> int:
     ``tag`` used (:func:`remember`); :func:`compile_program` takes them by key. Returns how many
     were started (0 when off or nothing is recorded)."""
     d = directory()
-    if d is None or os.environ.get("SPECJAX_NO_PREFETCH"):
+    if d is None or env.get("SPECJAX_NO_PREFETCH"):
         return 0
     keys = [k for k in _recent(d).get(tag, []) if isinstance(k, str) and re.fullmatch(r"[0-9a-f]{64}", k)]
     started = 0
@@ -389,6 +391,12 @@ def prefetch(tag: str) -> int:
         t.start()
         started += 1
     return started
+
+
+def prefetches_pending() -> int:
+    """How many programs :func:`prefetch` started that :func:`compile_program` has not taken yet
+    (compiled or still compiling; :func:`finish` drops them)."""
+    return len(_prefetched)
 
 
 def _prefetch_one(base: str, fut: concurrent.futures.Future) -> None:

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from specjax.runtime.loop import DecodeState
-from specjax.runtime.stats import ratio
+from specjax.runtime.stats import ratio, tau, tokens_per_second
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -83,8 +83,9 @@ class GenerationResult:
 
     @property
     def tokens_per_s(self) -> float | None:
-        """All rows' new tokens ÷ decode seconds (``None`` without decode time: no data)."""
-        return ratio(sum(len(t) for t in self.tokens), self.decode_s)
+        """All rows' new tokens ÷ decode seconds (``None`` without decode time: no data;
+        :func:`specjax.runtime.stats.tokens_per_second`)."""
+        return tokens_per_second(sum(len(t) for t in self.tokens), self.decode_s)
 
 
 def row_stats(info: np.ndarray, rounds: np.ndarray, keep: int, speculative: bool) -> dict:
@@ -149,7 +150,7 @@ def host_result(st: DecodeState, compile_s, prefill_s, decode_s, cuts=None, mode
             reason = "eos" if model_eos is None or new[-1] in model_eos else "stop"
         else:
             reason = "length"
-        s.update(accept_hist=hist.tolist(), mean_accepted_tokens=ratio(len(new), s["target_calls"]),
+        s.update(accept_hist=hist.tolist(), mean_accepted_tokens=tau(len(new), s["target_calls"]),
                  acceptance_rate=ratio(s["accepted_tokens"], s["checked_tokens"]) if speculative else None,
                  finish_reason=reason)
         out_stats.append(RowStats(**{k: s[k] for k in _STAT_KEYS}))

@@ -11,7 +11,9 @@ Definitions (Leviathan et al. 2023 §3; Spec-Bench, Xia et al. 2024):
 "No data" has one convention everywhere (Python and JSON): ``None`` (JSON ``null``), never
 ``0.0`` or NaN — τ without a target call, an acceptance rate with nothing checked, tokens/s
 without decode time, a speedup without its baseline. :func:`ratio` and :func:`difference` are the
-one division and subtraction that follow it.
+one division and subtraction that follow it; :func:`tau` and :func:`tokens_per_second` are the one
+τ and tokens/s formula (:class:`RunStats`, a row's and a batch's figures in
+:mod:`specjax.runtime.results`, a prompt's in :mod:`specjax.eval.bench` all call them).
 
 Per-row counters come from :func:`specjax.runtime.decoder.row_stats` (they count only
 emitted tokens); this module only adds them up. It lives in the runtime layer so that every
@@ -36,6 +38,18 @@ def difference(a, b) -> float | None:
     if a is None or b is None or not math.isfinite(a) or not math.isfinite(b):
         return None
     return float(a) - float(b)
+
+
+def tau(new_tokens, target_calls) -> float | None:
+    """τ (``mean_accepted_tokens``): new tokens ÷ target calls, the bonus/residual token of each
+    call included; ``None`` without a target call (no data)."""
+    return ratio(new_tokens, target_calls)
+
+
+def tokens_per_second(new_tokens, decode_s) -> float | None:
+    """``tokens_per_s``: new tokens ÷ decode seconds (prefill and compile excluded); ``None``
+    without decode time (``decode_s`` None, 0 or not finite: no data)."""
+    return ratio(new_tokens, decode_s) if decode_s is not None and decode_s > 0 else None
 
 
 COUNTERS = ("new_tokens", "target_calls", "draft_calls", "drafted_tokens", "accepted_tokens", "checked_tokens")
@@ -95,8 +109,8 @@ class RunStats:
 
     @property
     def mean_accepted_tokens(self) -> float | None:
-        """τ: new tokens per target call (``None`` without target calls)."""
-        return ratio(self.new_tokens, self.target_calls)
+        """τ: new tokens per target call (``None`` without target calls): :func:`tau`."""
+        return tau(self.new_tokens, self.target_calls)
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -118,8 +132,8 @@ class RunStats:
 
     @property
     def tokens_per_s(self) -> float | None:
-        """New tokens per decode second (``None`` before any decode time)."""
-        return ratio(self.new_tokens, self.decode_s) if self.decode_s > 0 else None
+        """New tokens per decode second (``None`` before any decode time): :func:`tokens_per_second`."""
+        return tokens_per_second(self.new_tokens, self.decode_s)
 
     def summary(self) -> dict:
         """Counters and derived figures as a plain dict (JSON-ready)."""

@@ -12,6 +12,7 @@ from collections import defaultdict
 
 import numpy as np
 
+from specjax.core import env
 from specjax.runtime.stats import ratio
 from specjax.train.batches import build_batch, make_windows
 from specjax.train.common import log
@@ -275,7 +276,7 @@ def train(state: TrainState, mngr, *, steps: int, step_fn, frozen, batch_for, ev
 
     alpha = state.history[-1]["alpha"] if state.history else None  # no evaluation yet: no data
     bar = tqdm(range(state.step, steps), initial=state.step, total=steps, desc="distill", file=sys.stderr,
-               disable=True if os.environ.get("SPECJAX_NO_PROGRESS") == "1" else None,  # None: only on a TTY
+               disable=True if env.get("SPECJAX_NO_PROGRESS") else None,  # None: only on a TTY
                mininterval=2.0)
     t0 = last = time.time()
     first = state.step
