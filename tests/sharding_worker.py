@@ -239,12 +239,12 @@ def run_dist(port: int, pid: int, nproc: int):
     # Compile both programs before anything runs, then meet at a coordination-service barrier:
     # gloo gives a peer only 30 s to join a collective, less than a compile on a loaded machine.
     prog, args = dec.prepare(prompts, **kw)
-    dec._get("start", prog, args)
+    dec.compiled_program("start", prog, args)
     st = jax.eval_shape(lambda *a: decode.prefill(prog, *a), *args)
     st = jax.tree_util.tree_map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                                 st, sharding.state_shardings(prog, st, mesh))
     limit = jax.ShapeDtypeStruct((), np.int32, sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-    dec._get("run", prog, (dec.target.params, None, st, limit))
+    dec.compiled_program("run", prog, (dec.target.params, None, st, limit))
     from jax._src import distributed
 
     distributed.global_state.client.wait_at_barrier("specjax_test_compiled", 600_000)

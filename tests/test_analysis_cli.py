@@ -119,7 +119,7 @@ def synthetic_pair(beta_tenths: int):
     return target, drafter
 
 
-_COMPILED: dict = {}  # compiled decode programs shared by the gate's cases (same shapes, new weights)
+COMPILED: dict = {}  # compiled decode programs shared by the gate's cases (same shapes, new weights)
 
 
 def truncated_geometric(beta: float, gamma: int) -> np.ndarray:
@@ -149,7 +149,7 @@ def test_gate_mean_accepted_tokens_matches_expected_tokens(beta_tenths):
     rng = np.random.default_rng(beta_tenths)
     prompts = [rng.integers(2, 128, size=int(rng.integers(3, 12))).tolist() for _ in range(b)]
     dec = Decoder(target, drafter, gamma)
-    dec._compiled = _COMPILED
+    dec.compiled = COMPILED
     prog, st, _, _ = dec.start(prompts, max_new_tokens=rounds * (gamma + 1) + 1,
                                sampling=SamplingParams.create(b, temperature=1.0), seed=beta_tenths, eos_ids=[])
     st, _, _ = dec.run(prog, st, rounds)
@@ -226,7 +226,7 @@ def test_measure_alpha_generic_drafter_path_matches_model_path():
 
 
 # --------------------------------------------------------------------------- (3) models, tiny
-def _tiny_tokenizer():
+def tiny_tokenizer():
     from tokenizers import Tokenizer as HFTok, models, pre_tokenizers
 
     from specjax.io.tokenizer import Tokenizer
@@ -237,10 +237,12 @@ def _tiny_tokenizer():
     return Tokenizer(hf, bos_token_id=0, eos_token_ids=(1,), add_bos=False)
 
 
+
+
 def test_model_mode_tiny_models_json_fields(capsys, tmp_path):
     from specjax.io.loading import save_model
 
-    tok = _tiny_tokenizer()
+    tok = tiny_tokenizer()
     # one layer each (cheap compiles); the drafter is the target with a flatter embedding
     target = tiny_model(seed=0, scale=20.0, num_layers=1).replace(tokenizer=tok)
     tdir = save_model(target, str(tmp_path / "target"))

@@ -180,14 +180,14 @@ def test_models_mode_trees_tiny(capsys, tmp_path):
     decoded for real; τ is the loop's new tokens ÷ target calls, the same counters as a tree
     Decoder gives on the same prompts; greedy tree output equals greedy autoregressive output."""
     from conftest import tiny_model
-    from test_analysis_cli import _tiny_tokenizer
+    from test_analysis_cli import tiny_tokenizer
     from specjax.api import load_drafter
     from specjax.eval.measure import prompt_records
     from specjax.eval.report import render_models
     from specjax.io.loading import load_model, save_model
     from specjax.runtime.decoder import Decoder
 
-    tok = _tiny_tokenizer()
+    tok = tiny_tokenizer()
     tdir = save_model(tiny_model(seed=0, scale=20.0, num_layers=1).replace(tokenizer=tok), str(tmp_path / "target"))
     pfile = tmp_path / "prompts.jsonl"
     texts = ["w5 w6 w7 w8 w5 w6 w7 w8 w5 w6", "w9 w3 w9 w3 w9 w4 w9 w3"]

@@ -367,10 +367,10 @@ def test_max_new_tokens_cap_note(capsys):
 @pytest.fixture(scope="module")
 def ctx16(tmp_path_factory):
     """A tiny model with a word tokenizer (``w3 w4 …``) and a 16-token context, saved."""
-    from test_cli import _word_tokenizer
+    from test_cli import word_tokenizer
 
     m = tiny_model(seed=21, max_position_embeddings=16)
-    return save_model(m.replace(tokenizer=_word_tokenizer(m.config.vocab_size)),
+    return save_model(m.replace(tokenizer=word_tokenizer(m.config.vocab_size)),
                       str(tmp_path_factory.mktemp("ctx") / "ctx16"))
 
 
@@ -464,7 +464,7 @@ def test_gamma_above_max_new_tokens_is_capped_with_a_note(no_load, capsys):
 
 def test_api_bounds_raise_value_error():
     """The Python API refuses the same bounds (``specjax.core.drafting.MAX_*``) with ValueError."""
-    from test_cli import _word_tokenizer
+    from test_cli import word_tokenizer
 
     from specjax.core.drafting import MAX_GAMMA, MAX_NGRAM, MAX_TREE_DEPTH, MAX_TREE_NODES, MAX_TREE_TOPK, TreeShape
     from specjax.drafters.ngram import NgramDrafter
@@ -472,7 +472,7 @@ def test_api_bounds_raise_value_error():
 
     assert (MAX_GAMMA, MAX_NGRAM, MAX_TREE_NODES, MAX_TREE_DEPTH, MAX_TREE_TOPK) == (64, 16, 512, 64, 32)
     m = tiny_model(seed=3)
-    m = m.replace(tokenizer=_word_tokenizer(m.config.vocab_size))
+    m = m.replace(tokenizer=word_tokenizer(m.config.vocab_size))
     with pytest.raises(ValueError, match="must be <= 64"):
         Decoder(m, NgramDrafter(3), gamma=65)
     with pytest.raises(ValueError, match="must be <= 64"):
@@ -521,10 +521,10 @@ def test_broken_pipe_stops_quietly(tmp_path):
     import signal
     import subprocess
 
-    from test_cli import _word_tokenizer
+    from test_cli import word_tokenizer
 
     m = tiny_model(seed=5, max_position_embeddings=2048)
-    d = save_model(m.replace(tokenizer=_word_tokenizer(m.config.vocab_size)), str(tmp_path / "long"))
+    d = save_model(m.replace(tokenizer=word_tokenizer(m.config.vocab_size)), str(tmp_path / "long"))
     env = dict(os.environ, SPECJAX_NO_CACHE="1", SPECJAX_NO_PROGRESS="1", JAX_PLATFORMS="cpu")
     env.pop("SPECJAX_DEBUG", None)
     # ~1500 words (≈ 6 KB) through a pipe of 4 KB: the child must write after the reader has gone
@@ -551,10 +551,10 @@ def _interrupted_run(tmp_path, progress: bool, ready):
     import signal
     import subprocess
 
-    from test_cli import _word_tokenizer
+    from test_cli import word_tokenizer
 
     m = tiny_model(seed=5, max_position_embeddings=16384)
-    d = save_model(m.replace(tokenizer=_word_tokenizer(m.config.vocab_size)), str(tmp_path / "long"))
+    d = save_model(m.replace(tokenizer=word_tokenizer(m.config.vocab_size)), str(tmp_path / "long"))
     env = dict(os.environ, SPECJAX_NO_CACHE="1", JAX_PLATFORMS="cpu")
     env.pop("SPECJAX_DEBUG", None)
     env.pop("SPECJAX_NO_PROGRESS", None)
@@ -709,10 +709,10 @@ def test_plot_into_a_missing_directory_creates_nothing(f, capsys):
 def test_api_text_prompts_and_chat_are_checked():
     """``chat="no"`` (truthy: it turned the template on) and ids where texts belong ("prompt 0 is
     empty" before) are one ValueError naming the fix (a new user's pass, turn 15)."""
-    from test_cli import _word_tokenizer
+    from test_cli import word_tokenizer
 
     m = tiny_model(seed=3)
-    m = m.replace(tokenizer=_word_tokenizer(m.config.vocab_size))
+    m = m.replace(tokenizer=word_tokenizer(m.config.vocab_size))
     with pytest.raises(ValueError, match="chat must be True or False, got 'no'"):
         specjax.generate_text(m, ["w3 w4"], chat="no")
     with pytest.raises(ValueError, match="prompt 0 is int, not text"):
@@ -806,7 +806,7 @@ def test_cache_dir_that_is_a_file_is_one_note(f, tmp_path, monkeypatch, capsys):
     a_file.write_text("x")
     monkeypatch.setenv("SPECJAX_CACHE_DIR", str(a_file))
     monkeypatch.delenv("SPECJAX_NO_CACHE", raising=False)
-    monkeypatch.setattr(paths, "_REFUSED", set())
+    paths.forget_refusals()
     for _ in range(2):  # said once per process
         model = loading.load_model(f["good"])
     err = capsys.readouterr().err.strip().splitlines()
@@ -844,7 +844,7 @@ def test_api_sampling_rows_must_match_the_prompts():
         d.generate([[1, 2, 3]], sampling=specjax.SamplingParams.create(3, temperature=0.7))
     with pytest.raises(ValueError, match="sampling must be a SamplingParams"):
         d.generate([[1, 2, 3]], sampling=specjax.Sampling(temperature=0.7))
-    assert d._compiled == {}  # nothing was compiled
+    assert d.compiled == {}  # nothing was compiled
 
 
 def test_serve_without_its_extra_names_both_installs(monkeypatch, capsys):

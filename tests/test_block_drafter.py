@@ -44,7 +44,7 @@ _verify = jax.jit(verify)
 
 
 @functools.lru_cache(maxsize=None)
-def _setup():
+def tiny_block_pair():
     target = tiny_model(seed=3, scale=2.0, vocab_size=V)
     cfg = block_net.BlockConfig.for_target(target.config, num_layers=1, block_size=GAMMA, sub_vocab=V,
                                            intermediate_size=32, feature_layers=FEATURES)
@@ -73,7 +73,7 @@ def _features_and_logits(graphdef, cfg, params, toks):
 @functools.lru_cache(maxsize=None)
 def target_p(ctx: tuple) -> np.ndarray:
     """The target's processed p after ``ctx`` (the loop's processor), float64 ``[V]``."""
-    target, _ = _setup()
+    target, _ = tiny_block_pair()
     _, logits = _features_and_logits(target.graphdef, target.config, target.params, jnp.asarray([ctx], jnp.int32))
     return np.asarray(_sp().process(logits[:, -1]), np.float64)[0]
 
@@ -81,7 +81,7 @@ def target_p(ctx: tuple) -> np.ndarray:
 def drafter_q(ctx: tuple, gamma: int = GAMMA, temperature_one: bool = False) -> np.ndarray:
     """q_1..q_γ ``[γ, V]`` of the first round after a prefill of ``ctx``, made by the real drafter
     (``init_state`` + ``propose``); ``temperature_one``: the unprocessed softmax of the same logits."""
-    target, d = _setup()
+    target, d = tiny_block_pair()
     feats, _ = _features_and_logits(target.graphdef, target.config, target.params, jnp.asarray([ctx], jnp.int32))
     q, logits = _first_round(d, d.params, jnp.asarray([list(ctx) + [0] * (gamma + 2)], jnp.int32), feats, gamma)
     return np.asarray(jax.nn.softmax(logits, -1) if temperature_one else q, np.float64)[0]
@@ -95,7 +95,7 @@ def _first_round(d, params, toks, feats, gamma):  # params: an argument (a draft
     state = d.init_state(params, ctx0, toks.shape[1])
     ctx = DraftContext(toks, jnp.asarray([n], jnp.int32), sp,
                        jnp.zeros((1, gamma + 1, feats.shape[-1]), jnp.float32), jnp.zeros((1,), jnp.int32))
-    logits, _ = d._block(params, state, ctx, gamma)
+    logits, _ = d.block_logits(params, state, ctx, gamma)
     prop = d.propose(params, state, ctx, jax.random.split(jax.random.key(0), gamma)[None], gamma, V)
     return prop.probs, logits
 
@@ -184,7 +184,7 @@ def chain_round(qs_law, qs_ratio, law=None) -> dict:
 def test_decode_call_equals_training_call():
     """``block_forward`` over a cache of the context (written by ``write_context``, with stale
     slots past the anchor) == ``train_forward`` at that anchor, every slot (≤ 1e-5)."""
-    target, d = _setup()
+    target, d = tiny_block_pair()
     cfg = d.config
     toks = jnp.asarray([[2, 5, 1, 3, 4, 0, 2, 2, 5, 1, 3, 3]], jnp.int32)
     feats, _ = _features_and_logits(target.graphdef, target.config, target.params, toks)
@@ -246,7 +246,7 @@ def _tree_round(tokens, parents, depth) -> dict:
 def test_tree_round_exact(shape):
     """The block's one-pass tree (per-slot top-K, paths by the product of marginals) is a valid tree
     (parents first, depth ≤ D), its K = 1 tree is the greedy chain, and its first round is exact."""
-    target, d = _setup()
+    target, d = tiny_block_pair()
     sh = TreeShape(*shape)
     feats, _ = _features_and_logits(target.graphdef, target.config, target.params, jnp.asarray([PROMPT], jnp.int32))
     toks = jnp.asarray([list(PROMPT) + [0] * (sh.depth + 2)], jnp.int32)
@@ -262,7 +262,7 @@ def test_tree_round_exact(shape):
     assert valid.all() and (depth <= sh.depth).all()
     assert all(parents[i] < i for i in range(len(tokens)))
     if sh.topk == 1:
-        logits, _ = d._block(d.params, state, ctx, sh.depth)
+        logits, _ = d.block_logits(d.params, state, ctx, sh.depth)
         assert tokens.tolist() == np.asarray(jnp.argmax(logits[0], -1)).tolist()
     got = complete(_tree_round(tokens, parents, depth), sh.depth + 1)
     np.testing.assert_allclose(got, ar_joint(sh.depth + 1), atol=1e-6, rtol=0)
@@ -273,7 +273,7 @@ def test_block_positions_draw_independent_noise():
     (x_1, x_2) passes a chi-square against q_1 ⊗ q_2 (p > 1e-3; a correct drafter fails with
     probability 1e-3 over key choices), and a drafter that draws every position with the first
     position's key (shared noise) fails it (p < 1e-6)."""
-    target, d = _setup()
+    target, d = tiny_block_pair()
     rows = 4000
     feats, _ = _features_and_logits(target.graphdef, target.config, target.params, jnp.asarray([PROMPT], jnp.int32))
     toks = jnp.asarray([list(PROMPT) + [0] * (GAMMA + 2)] * rows, jnp.int32)
@@ -334,7 +334,7 @@ def test_gamma_auto_scores_every_block_slot():
     from specjax.eval.theory import expected_tokens_by_position
     from specjax.runtime.settings import DecodeSettings
 
-    target, d = _setup()
+    target, d = tiny_block_pair()
     target_drafter_of = ModelDrafter.from_model  # a drafter that drafts token by token
     prompts = [{"ids": list(PROMPT)}, {"ids": [1, 4, 4, 2, 0, 3]}]
     settings = DecodeSettings(max_new_tokens=12, seed=3, ignore_eos=True, **SETTINGS)
@@ -369,9 +369,9 @@ def test_gamma_auto_scores_every_block_slot():
 
 
 def _anchor_drafter(proj_scale: float):
-    """The :func:`_setup` drafter with ``anchor_feature`` and ``anchor_proj`` = ``proj_scale`` × a
+    """The :func:`tiny_block_pair` drafter with ``anchor_feature`` and ``anchor_proj`` = ``proj_scale`` × a
     random matrix (0: the zero projection a warm start begins with)."""
-    target, d = _setup()
+    target, d = tiny_block_pair()
     cfg = dataclasses.replace(d.config, anchor_feature=True)
     dim = cfg.layer.hidden_size
     proj = proj_scale * jax.random.normal(jax.random.key(7), (dim, dim), jnp.float32) / np.sqrt(dim)
@@ -388,7 +388,7 @@ def test_decode_rounds_follow_the_training_call(anchor_feature):
     also checks that the anchor reads the context vector of position L − 2 in every round kind."""
     from specjax.drafters.eagle_net import full_logits
 
-    target, d = _anchor_drafter(4.0) if anchor_feature else _setup()
+    target, d = _anchor_drafter(4.0) if anchor_feature else tiny_block_pair()
     cfg, params = d.config, d.params
     seq = jnp.asarray([[2, 5, 1, 3, 4, 0, 2, 2, 5, 1, 3, 3]], jnp.int32)
     feats, _ = _features_and_logits(target.graphdef, target.config, target.params, seq)
@@ -404,10 +404,10 @@ def test_decode_rounds_follow_the_training_call(anchor_feature):
               (8, feats[:, 6: 7 + g], 0)]                               # inputs at 6.., the first rejected
     for j, (length, hidden, n) in enumerate(rounds):
         ctx = DraftContext(buf, jnp.asarray([length]), sp, hidden.astype(jnp.float32), jnp.asarray([n]))
-        logits, state = d._block(params, state, ctx, g)
+        logits, state = d.block_logits(params, state, ctx, g)
         np.testing.assert_allclose(np.asarray(logits)[0], want[j], atol=1e-4, rtol=1e-4, err_msg=f"round {j}")
     if anchor_feature:  # the projection matters: without it the logits differ
-        _, plain = _setup()
+        _, plain = tiny_block_pair()
         f0 = block_net.train_forward(plain.config, plain.params, feats, seq, jnp.asarray([[6]], jnp.int32), g)
         assert np.abs(np.asarray(full_logits(plain.params, f0, V))[0, 0] - want[1]).max() > 1e-2
 
@@ -415,7 +415,7 @@ def test_decode_rounds_follow_the_training_call(anchor_feature):
 def test_zero_anchor_projection_is_the_drafter_without_it():
     """A warm start (``--init-from`` + ``--anchor-feature``) begins with ``anchor_proj`` = 0: the
     same drafter, bit for bit in the training call."""
-    target, plain = _setup()
+    target, plain = tiny_block_pair()
     _, zero = _anchor_drafter(0.0)
     seq = jnp.asarray([[2, 5, 1, 3, 4, 0, 2, 2, 5, 1, 3, 3]], jnp.int32)
     feats, _ = _features_and_logits(target.graphdef, target.config, target.params, seq)
@@ -477,10 +477,10 @@ def test_anchor_feature_reads_position_l_minus_2_per_row():
     state = d.init_state(params, DraftContext(buf, plen, sp, feats[:, :5], jnp.zeros((2,), jnp.int32)), 16)
     np.testing.assert_allclose(np.asarray(state["prev"]), c[[0, 1], [3, 1]], atol=1e-5)
     zeros = jnp.zeros((2, GAMMA + 1, feats.shape[-1]), jnp.float32)
-    _, s1 = d._block(params, state, DraftContext(buf, plen, sp, zeros, jnp.zeros((2,), jnp.int32)), GAMMA)
+    _, s1 = d.block_logits(params, state, DraftContext(buf, plen, sp, zeros, jnp.zeros((2,), jnp.int32)), GAMMA)
     np.testing.assert_allclose(np.asarray(s1["prev"]), c[[0, 1], [3, 1]], atol=1e-5)
     # two plain rounds first (the engine's speculation off): lengths moved on, the drafter still fresh
     moved = plen + 2
     hidden = zeros.at[:, 0].set(feats[jnp.arange(2), moved - 2])
-    _, s2 = d._block(params, state, DraftContext(buf, moved, sp, hidden, jnp.zeros((2,), jnp.int32)), GAMMA)
+    _, s2 = d.block_logits(params, state, DraftContext(buf, moved, sp, hidden, jnp.zeros((2,), jnp.int32)), GAMMA)
     np.testing.assert_allclose(np.asarray(s2["prev"]), c[[0, 1], [5, 3]], atol=1e-5)

@@ -26,7 +26,7 @@ def _cli_env(monkeypatch):
     monkeypatch.delenv("SPECJAX_DEBUG", raising=False)
 
 
-def _word_tokenizer(vocab_size):
+def word_tokenizer(vocab_size):
     """Word-level tokenizer: ``<s>`` 0, ``</s>`` 1, ``<unk>`` 2, ``w3`` … (ids match tiny_config)."""
     from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers
 
@@ -45,7 +45,7 @@ def ckpts(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("cli")
     m = tiny_model(seed=21, max_position_embeddings=16)
-    good = save_model(m.replace(tokenizer=_word_tokenizer(m.config.vocab_size)), str(root / "ctx16"))
+    good = save_model(m.replace(tokenizer=word_tokenizer(m.config.vocab_size)), str(root / "ctx16"))
     with open(os.path.join(good, "config.json")) as f:
         config = json.load(f)
     tensors = load_file(os.path.join(good, "model.safetensors"))

@@ -212,11 +212,11 @@ def test_the_source_hash_is_computed_once(tiny_gguf, cache_dir, monkeypatch):
     load_model(tiny_gguf)
     memo = cache_dir / "converted" / convcache.SOURCES_FILE
     assert memo.exists() and os.path.realpath(tiny_gguf) in memo.read_text()
-    monkeypatch.setattr(convcache, "_DIGESTS", {})  # a new process: only sources.json remembers
+    convcache.forget_digests()  # a new process: only sources.json remembers
 
     def no_hash(path, chunk=0):
         raise AssertionError("hashed again")
-    monkeypatch.setattr(convcache, "_sha256_file", no_hash)
+    monkeypatch.setattr(convcache, "sha256_file", no_hash)
     with recording_loads() as loads:
         load_model(tiny_gguf)
     assert loads[0]["cached"]
@@ -225,8 +225,8 @@ def test_the_source_hash_is_computed_once(tiny_gguf, cache_dir, monkeypatch):
 def test_a_file_just_written_is_hashed_every_time(tmp_path, cache_dir, monkeypatch):
     path = write_model_gguf(tiny_model(seed=8, vocab_size=len(TOKENS)), tmp_path / "new.gguf")
     calls = []
-    real = convcache._sha256_file
-    monkeypatch.setattr(convcache, "_sha256_file", lambda p, chunk=1 << 20: calls.append(p) or real(p))
+    real = convcache.sha256_file
+    monkeypatch.setattr(convcache, "sha256_file", lambda p, chunk=1 << 20: calls.append(p) or real(p))
     for _ in range(2):
         load_model(path)
     assert len(calls) == 2

@@ -86,12 +86,12 @@ NEAR_TIES: list[NearTie] = []  # every tolerated divergence; re-verified by test
 
 # One shared table of compiled executables: keys hold the full static program and every
 # argument's shape, so decoders with equal programs (parameters are arguments) share them.
-_COMPILED: dict = {}
+COMPILED: dict = {}
 
 
 def make_decoder(target, drafter=None, gamma=4) -> Decoder:
     dec = Decoder(target, drafter, gamma)
-    dec._compiled = _COMPILED
+    dec.compiled = COMPILED
     return dec
 
 

@@ -32,7 +32,8 @@ HEAD = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, interm
             rope_theta=50000.0, draft_vocab_size=48)
 
 
-def _target(**kw):
+def head_target(**kw):
+    """The 4-layer tiny target the published heads here are written for."""
     return tiny_model(seed=0, num_layers=4, **kw)
 
 
@@ -160,7 +161,7 @@ def test_head_q_equals_the_published_reference(tmp_path):
     """Two rounds of a chain of 3 at temperature 1 (rows of different prompt lengths): every q over
     the target vocabulary equals the PyTorch reference's within 1e-5 — the raw target streams of
     the right layers, the fed-back pre-norm output, the draft→target id map."""
-    target = _target()
+    target = head_target()
     tdir = loading.save_model(target, str(tmp_path / "target"))
     hdir, w = write_head(tmp_path / "head", target)
     drafter = api.load_drafter(hdir, target)
@@ -211,7 +212,7 @@ def test_greedy_speculative_equals_autoregressive_with_a_head(tmp_path):
     autoregressive tokens."""
     from specjax.runtime.decoder import Decoder
 
-    target = _target(scale=6.0)
+    target = head_target(scale=6.0)
     v = target.config.vocab_size
     lm_head = np.asarray(target.params["lm_head"][...], np.float32)
     lm_head = lm_head.T if lm_head.shape[0] != v else lm_head
@@ -259,7 +260,7 @@ def test_bad_heads_are_one_line_errors(tmp_path, capsys, monkeypatch, _cli_env):
     def no_load(*a, **k):
         raise AssertionError("the model loaded before the head was checked")
 
-    target = _target()
+    target = head_target()
     pkl, _ = write_head(tmp_path / "pkl", target, pickle_only=True)
     variant, _ = write_head(tmp_path / "variant", target, architectures=["Eagle3Speculator"],
                             speculators_config={"algorithm": "eagle3"})
@@ -295,7 +296,7 @@ def test_a_hub_id_that_is_a_head_loads_as_a_head(tmp_path, monkeypatch):
     from specjax.drafters.eagle3_head import Eagle3HeadDrafter
     from specjax.io import hf
 
-    target = _target()
+    target = head_target()
     head, _ = write_head(tmp_path / "snapshot", target)
     asked = []
     monkeypatch.setattr(hf, "resolve_hub", lambda hub_id: asked.append(hub_id) or str(head))

@@ -74,7 +74,7 @@ def _dots(txt):
             yield types.get(m.group(1)), types.get(m.group(2)), line
 
 
-def _no_slow_path(txt, fmt, weight_shapes):
+def no_slow_path(txt, fmt, weight_shapes):
     """Every dot with bf16 operands has >= 2 lhs rows, and no dot multiplies a float32 array of a
     weight's shape (XLA CPU's one-row fallback converts the whole bf16 weight to float32 and runs a
     float32 dot: the slow path). int8: every matmul is the block kernel's custom call (no dot on
@@ -123,7 +123,7 @@ def test_no_slow_path_in_compiled_decode(fmt):
         st = decode.prefill_jit(prog, *args)
         for compiled in (decode.prefill_jit.lower(prog, *args).compile(),
                          decode.run_rounds_jit.lower(prog, args[0], args[1], st, jnp.int32(4)).compile()):
-            _no_slow_path(compiled.as_text(), fmt, weight_shapes)
+            no_slow_path(compiled.as_text(), fmt, weight_shapes)
 
 
 def test_hlo_check_catches_the_slow_path():
@@ -133,7 +133,7 @@ def test_hlo_check_catches_the_slow_path():
                                                    preferred_element_type=jnp.float32))
     txt = f.lower(jnp.ones((1, 64)), w).compile().as_text()
     with pytest.raises(AssertionError):
-        _no_slow_path(txt, "bfloat16", {(64, 128)})
+        no_slow_path(txt, "bfloat16", {(64, 128)})
 
 
 def _first_divergence(a, b):

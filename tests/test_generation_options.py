@@ -4,7 +4,7 @@ text == final text), standard input and the chat default of ``specjax generate``
 
 Tiny random models cover the loop's bookkeeping; the real default model covers the text layer
 (byte-level BPE, multi-byte characters) and the speculative gates with the n-gram and shipped
-drafters (float32, greedy). Every program is shared through ``_COMPILED``.
+drafters (float32, greedy). Every program is shared through ``COMPILED``.
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ from specjax.drafters.model import ModelDrafter
 from specjax.drafters.ngram import NgramDrafter
 from specjax.core.sampling import SamplingParams
 
-_COMPILED: dict = {}
+COMPILED: dict = {}
 
 
 def make_decoder(target, drafter=None, gamma=4) -> Decoder:
     dec = Decoder(target, drafter, gamma)
-    dec._compiled = _COMPILED
+    dec.compiled = COMPILED
     return dec
 
 

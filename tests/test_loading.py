@@ -141,7 +141,7 @@ def test_greedy_matches_transformers_generate(default_model, hf_gguf):
     assert max(len(p) for p in prompts) <= 32
     dec = Decoder(default_model)
     ours = dec.generate(prompts, max_new_tokens=64, eos_ids=[]).tokens
-    assert len(dec._compiled) == 2
+    assert len(dec.compiled) == 2
 
     t = max(len(p) for p in prompts)
     inp = torch.full((len(prompts), t), 2, dtype=torch.long)

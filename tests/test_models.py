@@ -361,7 +361,7 @@ def test_row_of_batch_equals_prompt_alone_and_seeds(real):
         t1 = _rounds(dec, [ids[i]], keys=keys[i:i + 1], sampling=one)[0]
         _near_tie_or_fail(model, ids[i], s0[i], t1, f"sampled row {i}")
     # greedy / sampled, batch 4 / batch 1, four different prompts: one start + one run each
-    assert len(dec._compiled) == 4
+    assert len(dec.compiled) == 4
 
 
 # --------------------------------------------------------------------------- 4. no recompiles
@@ -387,7 +387,7 @@ def test_sampling_settings_and_prompts_do_not_recompile(monkeypatch):
     m = tiny_model(seed=5)
     dec = Decoder(m)
     dec.generate([[3, 4, 5]], max_new_tokens=8, sampling=SamplingParams.create(1))
-    n = len(dec._compiled)
+    n = len(dec.compiled)
     assert n == 2 and lowerings == ["start", "run"]
     variants = [
         ([[3, 4, 5]], SamplingParams.create(1, temperature=0.7)),
@@ -401,5 +401,5 @@ def test_sampling_settings_and_prompts_do_not_recompile(monkeypatch):
         r = dec.generate(prompt, max_new_tokens=8, sampling=sp, seed=1, eos_ids=[])
         outs.append(r.tokens[0])
         assert r.compile_s == 0.0
-    assert len(dec._compiled) == n and lowerings == ["start", "run"]
+    assert len(dec.compiled) == n and lowerings == ["start", "run"]
     assert all(len(o) == 8 for o in outs)

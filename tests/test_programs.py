@@ -46,7 +46,7 @@ def _decode(target, drafter, **kw):
 
 
 def _loaded(dec):
-    return [c.loaded for c in dec._compiled.values() if isinstance(c, programs.ExportedProgram)]
+    return [c.loaded for c in dec.compiled.values() if isinstance(c, programs.ExportedProgram)]
 
 
 def test_a_second_decoder_reads_the_programs_and_decodes_the_same(program_dir, monkeypatch):
@@ -90,7 +90,7 @@ def test_the_executable_is_the_traced_one(program_dir):
                       and not re.search(r"^\s*(ENTRY|%v = \S+ parameter$)", line.strip()))
 
     def texts(dec):
-        return {k[0]: norm(c.as_text()) for k, c in dec._compiled.items()}
+        return {k[0]: norm(c.as_text()) for k, c in dec.compiled.items()}
 
     exported, traced = texts(dec_e), texts(dec_t)
     assert set(exported) == {"start", "run"}
@@ -130,13 +130,13 @@ def test_another_program_is_another_entry_and_old_ones_go(program_dir, monkeypat
 def test_the_command_line_switches_it(monkeypatch, tmp_path, capsys):
     """On with the compilation cache (the entries appear next to it); off with
     SPECJAX_NO_PROGRAM_CACHE=1 (nothing written); off again after the command returns."""
-    from test_cli import _word_tokenizer
+    from test_cli import word_tokenizer
 
     from specjax.cli import main
     from specjax.io.loading import save_model
 
     m = tiny_model(seed=8)
-    model_dir = save_model(m.replace(tokenizer=_word_tokenizer(m.config.vocab_size)), str(tmp_path / "tiny"))
+    model_dir = save_model(m.replace(tokenizer=word_tokenizer(m.config.vocab_size)), str(tmp_path / "tiny"))
     cache = tmp_path / "jaxcache"
     monkeypatch.setenv("SPECJAX_CACHE", str(cache))
     monkeypatch.delenv("SPECJAX_NO_CACHE", raising=False)  # (other test modules set it for the process)
@@ -176,8 +176,8 @@ def test_prefetch_compiles_the_last_runs_programs_for_the_next(program_dir):
     assert programs.prefetch("tag-b") == 0  # nothing recorded for it
     assert programs.prefetch("tag-a") == 2
     dec2, second = _decode(target, NgramDrafter(2), seed=3, sampling=sampled)
-    got = [c for c in dec2._compiled.values() if isinstance(c, programs.ExportedProgram)]
-    assert [c.prefetched for c in got] == [True, True] and programs._prefetched == {}
+    got = [c for c in dec2.compiled.values() if isinstance(c, programs.ExportedProgram)]
+    assert [c.prefetched for c in got] == [True, True] and programs.prefetches_pending() == 0
     programs.disable()
     dec3, traced = _decode(target, NgramDrafter(2), seed=3, sampling=sampled)
     for res in (first, second):
@@ -202,7 +202,7 @@ def test_a_prefetch_that_guessed_wrong_is_not_used(program_dir):
     assert programs.prefetch("t") == 2
     dec = Decoder(target, None, gamma=3)
     res = dec.generate([[5] * 40, [6] * 3], max_new_tokens=12)  # a longer prompt: another bucket
-    got = [c for c in dec._compiled.values() if isinstance(c, programs.ExportedProgram)]
+    got = [c for c in dec.compiled.values() if isinstance(c, programs.ExportedProgram)]
     assert got and not any(c.prefetched for c in got)
     programs.finish()
     programs.disable()

@@ -10,11 +10,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from stats_helpers import chi2_pvalue
 
-from specjax.core.sampling import SamplingParams, _inverse_cdf, process_logits, sample
+from specjax.core.sampling import SamplingParams, inverse_cdf, process_logits, sample
 
 _process = jax.jit(process_logits)
 _sample = jax.jit(sample)
-_inv_cdf = jax.jit(_inverse_cdf)
+_inv_cdf = jax.jit(inverse_cdf)
 
 
 def _rows(n, value, dtype):

@@ -68,9 +68,9 @@ def test_shared_prefill_gives_the_unshared_tokens(monkeypatch):
 
 
 def test_shared_prefill_block_drafter(monkeypatch):
-    from test_block_drafter import _setup
+    from test_block_drafter import tiny_block_pair
 
-    target, drafter = _setup()
+    target, drafter = tiny_block_pair()
     rows = [[2, 5, 1, 3], [1, 1], [2, 5, 1, 3], [2, 5, 1, 3], [2, 5, 1, 3]]
     sp = SamplingParams.create(len(rows), temperature=0.7, top_k=4)
     dec = Decoder(target, drafter, gamma=3)

@@ -14,7 +14,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from specjax.train.data import RowSegments, _npz_member, write_part, collect_data, collect_parts, join_rows
+from specjax.train.data import RowSegments, npz_member, write_part, collect_data, collect_parts, join_rows
 
 
 def test_row_segments_read_like_the_concatenation():
@@ -41,11 +41,11 @@ def test_npz_member_is_memory_mapped_when_stored(tmp_path):
     full = np.arange(40, dtype=np.float16).reshape(10, 4)
     p = str(tmp_path / "a.npz")
     np.savez(p, seqs=np.array("[]"), hidden=full)
-    m = _npz_member(p, "hidden")
+    m = npz_member(p, "hidden")
     assert isinstance(m, np.memmap) and not m.flags.writeable
     np.testing.assert_array_equal(m, full)
     np.savez_compressed(p, seqs=np.array("[]"), hidden=full)  # compressed: loaded (still right)
-    m = _npz_member(p, "hidden")
+    m = npz_member(p, "hidden")
     assert not isinstance(m, np.memmap)
     np.testing.assert_array_equal(m, full)
 

@@ -234,7 +234,7 @@ def _in_place_reduced_attention(q, k, v, positions, cfg, tree_mask):
     kb, vb = k.reshape(b, kv, nb, blk, hd), v.reshape(b, kv, nb, blk, hd)
     sc = jnp.einsum("bkmd,bknsd->bknms", qg.astype(dt), kb.astype(dt), preferred_element_type=jnp.float32)
     sc = sc * (1.0 / math.sqrt(hd))
-    vis = attention._tree_visible(tree_mask, positions[:, 0], h // kv, nb, blk)
+    vis = attention.tree_visible(tree_mask, positions[:, 0], h // kv, nb, blk)
     sc = jnp.where(vis, sc, -jnp.inf)
     m = jnp.max(sc, axis=(2, 4), keepdims=True)
     e = jnp.where(vis, jnp.exp(sc - m), 0.0).astype(dt)

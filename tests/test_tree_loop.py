@@ -53,13 +53,13 @@ from specjax.runtime import decoder as D
 from specjax.runtime.decoder import Decoder
 
 _ = small_vocab  # a fixture used by name
-_COMPILED: dict = {}  # executables shared by decoders with equal programs (parameters are arguments)
+COMPILED: dict = {}  # executables shared by decoders with equal programs (parameters are arguments)
 
 
 def make_decoder(target, drafter=None, gamma=4, tree=None) -> Decoder:
     kw = {} if tree is None else dict(tree_nodes=tree[0], tree_depth=tree[1], tree_topk=tree[2])
     dec = Decoder(target, drafter, gamma, **kw)
-    dec._compiled = _COMPILED
+    dec.compiled = COMPILED
     return dec
 
 
@@ -684,7 +684,7 @@ def test_real_model_sampled_tree_distribution_is_the_targets(monkeypatch):
 
     def sample(rows, seed0):
         dec = make_decoder(model, drafter, tree=REAL_CHI_TREE)
-        dec._compiled = {}  # the control's program must be compiled from the patched kernel
+        dec.compiled = {}  # the control's program must be compiled from the patched kernel
         out, acc, rej = [], 0, 0
         for s in range(0, rows, 250):
             n = min(250, rows - s)
@@ -759,7 +759,7 @@ def test_no_slow_path_in_compiled_tree_decode(fmt):
     with the EAGLE drafter in int8 too (its forest calls and head run on few rows); bfloat16: the
     n-gram drafter (an EAGLE drafter loaded in bfloat16 computes in float32, and the tiny
     drafter's float32 weights have the target's shapes)."""
-    from test_formats import _no_slow_path, convert
+    from test_formats import no_slow_path, convert
 
     target = convert(tiny_model(seed=0, tie_word_embeddings=True), fmt)
     drafter = copy_eagle(target, "int8") if fmt == "int8" else NgramDrafter(3)
@@ -770,4 +770,4 @@ def test_no_slow_path_in_compiled_tree_decode(fmt):
     sprog = D.prefill_program(prog)
     st = D.size_for_gamma(D.prefill_jit(sprog, *args), prog)
     compiled = D.run_rounds_jit.lower(prog, args[0], args[1], st, jnp.int32(4)).compile()
-    _no_slow_path(compiled.as_text(), fmt, weight_shapes)
+    no_slow_path(compiled.as_text(), fmt, weight_shapes)

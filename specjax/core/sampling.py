@@ -215,7 +215,7 @@ def _pick(probs: jax.Array, positive: jax.Array, target: jax.Array) -> jax.Array
     return jnp.where(jnp.any(hit, axis=-1), first_hit, last_positive).astype(jnp.int32)
 
 
-def _inverse_cdf(probs: jax.Array, u: jax.Array) -> jax.Array:
+def inverse_cdf(probs: jax.Array, u: jax.Array) -> jax.Array:
     """Inverse-CDF draw: the first index whose cumulative mass exceeds ``u * total``.
 
     probs: float [..., V] >= 0 with a positive total; u: float [...] in [0, 1).
@@ -266,7 +266,7 @@ def sample(key: jax.Array, probs: jax.Array) -> jax.Array:
     """
     probs = jnp.asarray(probs)
     u = jax.random.uniform(key, probs.shape[:-1], jnp.float32)
-    return _inverse_cdf(probs, u)
+    return inverse_cdf(probs, u)
 
 
 LOGIT_BIAS_SLOTS = 300  # ids one row's logit bias may name (OpenAI's limit); a fixed shape: one program

@@ -115,8 +115,10 @@ class BlockDrafter(Drafter):
             state["prev_len"] = context.lengths  # the L at which ``prev`` is c_{L−2}
         return state
 
-    def _block(self, params, state, context: DraftContext, gamma: int):
-        """Steps 1 and 2 of a round: ``(logits [B, γ, V] over the target vocabulary, new state)``."""
+    def block_logits(self, params, state, context: DraftContext, gamma: int):
+        """Steps 1 and 2 of a round (the drafter's one pass, before anything is drawn): ``(logits
+        [B, γ, V] float32 over the target vocabulary, one row per block slot, new state)``;
+        :meth:`propose` and :meth:`propose_tree` draw from / rank these."""
         lengths = context.lengths
         n = context.last_accepted
         fresh = state["fresh"]
@@ -141,7 +143,7 @@ class BlockDrafter(Drafter):
         return self.config.layer.vocab_size
 
     def propose(self, params, state, context: DraftContext, keys, gamma: int, vocab_size: int) -> Proposal:
-        logits, state = self._block(params, state, context, gamma)
+        logits, state = self.block_logits(params, state, context, gamma)
         q = context.sampling.process(logits)  # [B, γ, V]: q_i, exactly what x_i is drawn from
         tokens = jax.vmap(jax.vmap(sample))(keys, q)  # x_i with its own key keys[:, i]
         b = tokens.shape[0]
@@ -151,7 +153,7 @@ class BlockDrafter(Drafter):
                      vocab_size: int) -> TreeProposal:
         """The block's per-slot top-K as a tree (module docstring), ``"deterministic"`` scheme. With
         K = 1 it is the greedy chain (each slot's argmax)."""
-        logits, state = self._block(params, state, context, shape.depth)
+        logits, state = self.block_logits(params, state, context, shape.depth)
         ranks = jax.nn.softmax(logits, axis=-1)  # [B, D, V]: the temperature-1 marginals that rank paths
         k = shape.topk
 

@@ -132,7 +132,8 @@ class EagleDrafter(Drafter):
 
     @property
     def always_proposes(self) -> bool:
-        """γ drafts every round unless a confidence cut-off is set."""
+        """Drafts every round (γ in a chain, at least one valid node in a tree) unless a confidence
+        cut-off is set (``min_confidence > 0``: a round may offer no draft)."""
         return self.min_confidence <= 0.0
 
     @property
@@ -390,13 +391,7 @@ class EagleDrafter(Drafter):
             feat_of["f"] = jax.vmap(lambda a, i, v: a.at[i].set(v))(feat_of["f"], frontier, f_front)
             tb = tlen = None
             if cfg.copy_ngram:  # each lane's copy candidate sees the committed tokens and its path
-                tb = jnp.broadcast_to(context.tokens[:, None, :], (b, w, buf))
-                steps = ptok.reshape(b, w, level)
-                for i in range(level):
-                    slot = jnp.minimum(lengths + i, buf - 1)
-                    tb = tb.at[jnp.arange(b)[:, None], jnp.arange(w)[None, :], slot[:, None]].set(steps[:, :, i])
-                tb = tb.reshape(b * w, buf)
-                tlen = jnp.repeat(jnp.minimum(lengths + level, buf), w)
+                tb, tlen = _lane_tokens(context.tokens, lengths, ptok, level, w)
             logits = self.head_logits(params, f_front.reshape(b * w, hidden), tb, tlen, vocab_size)
             return ranked(logits).reshape(b, w, vocab_size)
 
@@ -404,6 +399,20 @@ class EagleDrafter(Drafter):
                                      num_nodes=shape.nodes)
         state = dict(state, fresh=jnp.zeros_like(state["fresh"]))
         return TreeProposal(tree, "deterministic", state)
+
+
+def _lane_tokens(tokens, lengths, ptok, level: int, width: int):
+    """The token buffers the copy candidate of each of ``width`` forest lanes reads at tree depth
+    ``level`` (:meth:`EagleDrafter.propose_tree`): ``tokens [B, L]`` with the lane's path
+    ``ptok [B, width·level]`` written at slots ``lengths .. lengths + level - 1`` (clamped to the
+    buffer). Returns ``(buffers [B·width, L], lengths [B·width])``."""
+    b, buf = tokens.shape
+    tb = jnp.broadcast_to(tokens[:, None, :], (b, width, buf))
+    steps = ptok.reshape(b, width, level)
+    for i in range(level):
+        slot = jnp.minimum(lengths + i, buf - 1)
+        tb = tb.at[jnp.arange(b)[:, None], jnp.arange(width)[None, :], slot[:, None]].set(steps[:, :, i])
+    return tb.reshape(b * width, buf), jnp.repeat(jnp.minimum(lengths + level, buf), width)
 
 
 def load_drafter(path, target, dtype: str = "float32", name: str = "eagle", check: bool = True,

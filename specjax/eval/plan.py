@@ -313,9 +313,9 @@ def compile_programs(req: PlanRequest, devices=None) -> dict:
     prompts = [[2 + i % (req.cfg.vocab_size - 2)] + [2] * (p - 1) for i in range(req.batch)]
     prog, args = dec.prepare(prompts, max_new_tokens=req.max_len - p, eos_ids=[])
     sprog = prog if dec.mesh is not None else prefill_program(prog)
-    start, c1 = dec._get("start", sprog, args)
-    state = dec._run_shapes(start, sprog, prog)
-    run, c2 = dec._get("run", prog, dec._run_args(state, 0))
+    start, c1 = dec.compiled_program("start", sprog, args)
+    state = dec.run_shapes(start, sprog, prog)
+    run, c2 = dec.compiled_program("run", prog, dec.run_args(state, 0))
     return {"prefill": {"memory": start.memory_analysis(), "compile_s": c1},
             "decode": {"memory": run.memory_analysis(), "compile_s": c2},
             "state": state, "inputs": _leaf_bytes(args[2:]), "buffer_len": prog.buffer_len}

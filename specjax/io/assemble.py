@@ -88,6 +88,14 @@ def assemble_params(
             a = jnp.asarray(a, dtype=expected[p].dtype)
             got[p] = place(p, a) if place else jax.device_put(a)
             del a
+    _check_complete(expected, got, pending, source)
+    return graphdef, state_of(abstract, got)
+
+
+def _check_complete(expected: dict, got: dict, pending: dict, source: str) -> None:
+    """Raise :class:`CheckpointError` naming every tensor of ``expected`` (path → abstract array)
+    that :func:`assemble_params` did not get: the whole weight, or a fused weight's parts that did
+    not arrive (``pending``: fused path → {part name: array})."""
     missing = []
     for p in expected:
         spec = llama.weight_spec(p[-1])
@@ -98,7 +106,6 @@ def assemble_params(
     if missing:
         names = ", ".join(param_path_name(p) for p in missing[:8]) + (" …" if len(missing) > 8 else "")
         raise CheckpointError(f"{source}: {len(missing)} missing tensor(s): {names}")
-    return graphdef, state_of(abstract, got)
 
 
 def _float(arr, tensor):

@@ -116,6 +116,12 @@ class Tokenizer:
     def vocab(self) -> dict[str, int]:
         return self._tok.get_vocab(with_added_tokens=True)
 
+    def save_tokenizer_json(self, path: str) -> None:
+        """Write the ``tokenizers`` model (vocabulary, merges, pre-tokenizer, added tokens) to
+        ``path``, a Hugging Face ``tokenizer.json`` (the special-token settings and chat template
+        go to ``tokenizer_config.json``, which the caller writes)."""
+        self._tok.save(path)
+
     def encode(self, text: str, add_special_tokens: bool = True, parse_special: bool = True) -> list[int]:
         """Ids of ``text``; BOS prepended when the checkpoint asks for it and
         ``add_special_tokens`` is true (chat-templated text carries its own specials).

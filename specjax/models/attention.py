@@ -1,5 +1,5 @@
 """Attention and the KV cache: :class:`KVCache` (per-row lengths), causal and tree attention over
-the cache in batch-invariant blocks (:func:`cache_attention`; trees: :func:`_tree_visible` in
+the cache in batch-invariant blocks (:func:`cache_attention`; trees: :func:`tree_visible` in
 float32, the per-query window :func:`_tree_window` in the reduced formats), and the compaction
 of an accepted tree path (:func:`compact_tree_cache`).
 
@@ -127,7 +127,7 @@ def write_kv(cache_arr, new, starts):
 ATTENTION_BLOCK = 64  # cache slots per attention block (a multiple of the Decoder's buffer bucket)
 
 
-def _tree_visible(tree_mask, start, groups: int, nb: int, blk: int):
+def tree_visible(tree_mask, start, groups: int, nb: int, blk: int):
     """Tree attention's visibility in the physical cache layout (the float32 path of
     :func:`cache_attention`): bool ``[B, 1, NB, G·T, blk]``, query j (row ``g·T + j``) sees slot s iff
     ``s < start`` (the committed prefix) or ``0 <= s - start < T`` and ``tree_mask[:, j, s - start]``.
@@ -355,7 +355,7 @@ def cache_attention(q, k_cache, v_cache, positions, cfg: ModelConfig, tree_mask=
     With ``tree_mask`` (bool ``[B, T, T]``, see :func:`specjax.models.llama.decoder_block`): tree attention — query j
     sees the committed prefix (slots < ``positions[:, 0]``) and the new tokens i with
     ``tree_mask[:, j, i]`` (its ancestors and itself), whose K/V sit at slots
-    ``positions[:, 0] + i``; see :func:`_tree_visible` (float32) and :func:`_tree_window`
+    ``positions[:, 0] + i``; see :func:`tree_visible` (float32) and :func:`_tree_window`
     (reduced formats) for how that is computed without breaking batch invariance.
 
     On one CPU device this is one kernel (:mod:`specjax.models.cpu_attention`: per-query arithmetic,
@@ -439,7 +439,7 @@ def _blocked_attention(q, k_cache, v_cache, positions, cfg: ModelConfig, tree_ma
     if tree_mask is None:
         visible = slots[None, None] <= qpos  # [B, 1, NB, G·T, blk]
     elif dt == jnp.float32:
-        visible = _tree_visible(tree_mask, positions[:, 0], h // kv, nb, blk)
+        visible = tree_visible(tree_mask, positions[:, 0], h // kv, nb, blk)
     else:  # the prefix outside the tree window here; the tree window's blocks per query (_tree_window)
         tw = _tree_window(scores, v_cache, positions, tree_mask, blk, dt, window)
         visible = tw.outside[:, None, :, None, :]  # [B, 1, NB, 1, blk]

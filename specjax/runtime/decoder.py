@@ -1,5 +1,6 @@
-"""The :class:`Decoder`: shape buckets, compiled programs, request keys, stop handling and
-results, around the jitted loop of :mod:`specjax.runtime.loop`.
+"""The :class:`Decoder`: compiled programs, attention views, chunks of rounds, stop handling and
+results, around the jitted loop of :mod:`specjax.runtime.loop` (a batch's checks, shape buckets,
+request keys and stop ids: :mod:`specjax.runtime.batch`, re-exported here).
 
 A Decoder compiles one prefill and one decode-loop program per (target, drafter, γ, batch,
 buffer bucket) ahead of time, runs the loop in one call (or in chunks of rounds for
@@ -17,10 +18,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.core.drafting import MAX_GAMMA, MAX_NEW_TOKENS, TreeShape, require_drafter, row_context
+from specjax.core.drafting import require_drafter, row_context
 from specjax.core.sampling import SamplingParams
 from specjax.models.attention import reads_visible_keys_only
 from specjax.models.llama import kv_cache_dtype
+from specjax.runtime.batch import (  # noqa: F401  (re-exported: the batch's checks and buckets)
+    BUFFER_BUCKET, PROMPT_BUCKET, SEED_LIMIT, STOP_IDS_BUCKET, check_gamma, check_rounds_per_chunk, check_tree_drafter,
+    decode_buffer_len, prompt_bucket, request_keys, round_up, seed_key, shared_prompts, stop_ids_array, tree_shape,
+    validate_batch,
+)
 from specjax.runtime.loop import (  # noqa: F401  (run_rounds/… re-exported for tests)
     RUN_ROUNDS_DONATE, DecodeState, Logprobs, Program, Stats, run_rounds, run_rounds_jit, tree_scratch,
 )
@@ -29,23 +35,7 @@ from specjax.runtime.prefill import prefill, prefill_jit, prefill_program, size_
 from specjax.runtime.progress import phase
 from specjax.runtime.results import GenerationResult, RowStats, host_result, row_stats  # noqa: F401  (re-exported)
 
-PROMPT_BUCKET = 32  # smallest prompt bucket; prompts pad to the next power of two ≥ this
-BUFFER_BUCKET = 64
-STOP_IDS_BUCKET = 8  # stop-id slots per row (EOS + stop token ids) pad to a multiple of this
 FIRST_CHUNK_ROUNDS = 1  # rounds of the first chunk of a streamed or stop-checked decode (the first text early)
-
-
-def round_up(n: int, size: int) -> int:
-    return max(size, -(-n // size) * size)
-
-
-def decode_buffer_len(prompt_len: int, max_new_tokens: int, gamma: int, min_prompt_bucket: int = PROMPT_BUCKET) -> int:
-    """Token/KV buffer slots of a program for prompts of up to ``prompt_len`` tokens: the
-    prompt bucket (:func:`prompt_bucket` with ``min_prompt_bucket``) + ``max_new_tokens`` + γ
-    + 1 spare slots, rounded up to ``BUFFER_BUCKET``. With a draft tree pass
-    :func:`specjax.runtime.loop.tree_scratch` of its shape (≥ N) as ``gamma``."""
-    return round_up(prompt_bucket(int(prompt_len), min_prompt_bucket) + int(max_new_tokens) + int(gamma) + 1,
-                   BUFFER_BUCKET)
 
 
 KV_VIEW_MIN = 256  # the smallest attention view of the decode loop (cache slots; a multiple of ATTENTION_BLOCK)
@@ -78,149 +68,6 @@ def view_for(views: list[int], longest: int, round_span: int) -> int | None:
     ``longest`` tokens (cache slots ``< longest - 1 + round_span``), or ``None``: the whole buffer."""
     need = int(longest) - 1 + int(round_span)
     return next((v for v in views if need <= v), None)
-
-
-def prompt_bucket(n: int, minimum: int = PROMPT_BUCKET) -> int:
-    """Padded prompt length for a prompt of ``n`` tokens: the next power of two, at least
-    ``minimum`` (default ``PROMPT_BUCKET``). Each bucket compiles its own prefill and decode
-    programs, so geometric buckets keep the number of programs logarithmic in the prompt
-    lengths seen (at most 2× prefill padding; the decode loop never attends to the padding);
-    a larger ``minimum`` means fewer buckets (fewer compiles) for more padding."""
-    return max(int(minimum), 1 << max(0, int(n) - 1).bit_length())
-
-
-SEED_LIMIT = 2 ** 64
-
-
-def seed_key(seed) -> np.ndarray:
-    """The raw threefry key ``[2] uint32`` of a seed in ``[0, 2**64)``: ``[seed >> 32, seed & 0xFFFFFFFF]``,
-    all 64 bits (``jax.random.PRNGKey(seed)`` with 64-bit ints enabled; for seeds < 2**32 the
-    same key as ``PRNGKey(seed)`` without them).
-
-    Raises:
-      ValueError: a seed that is not an integer in ``[0, 2**64)``.
-    """
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) < SEED_LIMIT:
-        raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
-    s = int(seed)
-    return np.array([s >> 32, s & 0xFFFFFFFF], np.uint32)
-
-
-def request_keys(seed: int | Sequence[int], batch: int, offset: int = 0) -> jax.Array:
-    """Per-row request keys ``[B, 2]`` uint32: ``fold_in(seed_key(seed), offset + i)`` for an int
-    seed (row identity = its index in the request list, not its batch slot), or
-    ``seed_key(seed_i)`` for a list of per-row seeds. Seeds are integers in ``[0, 2**64)``
-    and every bit counts (distinct seeds give distinct keys).
-
-    Raises:
-      ValueError: a seed outside ``[0, 2**64)``, or a list whose length is not ``batch``.
-    """
-    if isinstance(seed, (list, tuple, np.ndarray)):
-        if len(seed) != batch:
-            raise ValueError(f"got {len(seed)} seeds for {batch} prompts; pass one per prompt or a single int")
-        # device_put is a plain transfer; jnp.asarray of a numpy array compiles a small program per
-        # shape (jax 0.10), which tests/test_compile_count.py would count as a recompilation
-        return jax.device_put(np.stack([seed_key(s) for s in seed]))
-    base = jax.device_put(seed_key(seed))
-    # one vectorized fold_in (a Python loop of B eager fold_ins took 142 s for B = 4000)
-    rows = jax.device_put(np.arange(offset, offset + batch, dtype=np.uint32))
-    return jax.vmap(lambda i: jax.random.fold_in(base, i))(rows)
-
-
-def tree_shape(nodes=None, depth=None, topk=None) -> TreeShape | None:
-    """The :class:`~specjax.core.drafting.TreeShape` of the keywords ``tree_nodes``,
-    ``tree_depth``, ``tree_topk`` (``None`` when none is given: chains).
-
-    Raises:
-      ValueError: some but not all three given, or sizes outside the ranges of ``TreeShape``.
-    """
-    given = {"tree_nodes": nodes, "tree_depth": depth, "tree_topk": topk}
-    if all(v is None for v in given.values()):
-        return None
-    missing = [k for k, v in given.items() if v is None]
-    if missing:
-        raise ValueError(f"a draft tree needs tree_nodes, tree_depth and tree_topk together; missing "
-                         f"{', '.join(missing)}")
-    return TreeShape(nodes, depth, topk)
-
-
-def check_tree_drafter(tree: TreeShape | None, drafter) -> None:
-    """Refuse a tree the drafter cannot propose: no drafter, or K > 1 for a drafter that proposes
-    chains only (``proposes_trees`` false: a draft model). Raises ValueError."""
-    if tree is None:
-        return
-    if drafter is None:
-        raise ValueError("a draft tree needs a drafter (ngram, default or an EAGLE drafter path)")
-    if tree.topk > 1 and not drafter.proposes_trees:
-        raise ValueError(f"drafter {drafter.name!r} proposes chains only (a tree needs "
-                         "--draft ngram, default or an EAGLE drafter); use tree topk 1 or --gamma")
-
-
-def shared_prompts(prompts) -> tuple[list[list[int]], np.ndarray, np.ndarray] | None:
-    """How a batch with repeated prompts shares one prefill per distinct prompt (n samples of a
-    prompt, best-of-n, a chi-square over thousands of rows of one prompt: one prefill, not n).
-
-    Returns ``None`` when sharing saves nothing (every prompt distinct, after rounding), else
-    ``(distinct prompts padded with copies of the first to a power of two U, source [B] int32:
-    row → its prompt's index, first [U] int32: prompt → a row that has it)`` — the ``shared``
-    argument of :func:`specjax.runtime.prefill.prefill`. U is a power of two so that the number of
-    prefill programs per bucket stays logarithmic in the batch."""
-    index: dict = {}
-    source = np.array([index.setdefault(tuple(int(t) for t in p), len(index)) for p in prompts], np.int32)
-    u = len(index)
-    width = 1 << max(0, u - 1).bit_length()
-    if width >= len(prompts):
-        return None
-    first = np.zeros(width, np.int32)
-    first[:u] = np.unique(source, return_index=True)[1]  # each distinct prompt's first row (ids 0..u-1)
-    keys = list(index)
-    return [list(k) for k in keys + keys[:1] * (width - u)], source, first
-
-
-def validate_batch(prompts, max_new_tokens, gamma, drafter, ctx_limit, vocab_size: int | None = None):
-    """Raises ValueError (one line naming the problem and the fix) for a batch the decoder cannot
-    run: no prompts, a prompt that is not a list of token ids, empty, too long for the context or
-    with an id outside ``[0, vocab_size)``; ``max_new_tokens`` not an integer in [1,
-    :data:`MAX_NEW_TOKENS`]; γ out of range."""
-    if isinstance(prompts, (str, bytes)) or not prompts:
-        raise ValueError("no prompts given; pass a list of prompts, each a list of token ids")
-    if all(isinstance(p, (int, np.integer)) for p in prompts):
-        raise ValueError("prompts must be a list of token-id lists, one per prompt, got a flat list of ints; "
-                         "wrap it: [[...]]")
-    for i, p in enumerate(prompts):
-        if isinstance(p, (str, bytes, int, np.integer)) or not hasattr(p, "__len__"):
-            raise ValueError(f"prompt {i} is {type(p).__name__}, not a list of token ids; encode text first "
-                             "(specjax.generate_text takes text)")
-        if len(p) == 0:
-            raise ValueError(f"prompt {i} is empty; give at least one token (text) per prompt")
-        ids = np.asarray(p)
-        if ids.dtype.kind not in "iu":
-            raise ValueError(f"prompt {i} holds {ids.dtype} values, not integer token ids")
-        if vocab_size is not None and (ids.min() < 0 or ids.max() >= vocab_size):
-            bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
-            raise ValueError(f"prompt {i} has token id {bad}, outside the vocabulary [0, {vocab_size}); "
-                             "use ids from the model's tokenizer")
-        if len(p) >= ctx_limit:
-            raise ValueError(
-                f"prompt {i} has {len(p)} tokens, longer than the model's context of {ctx_limit} "
-                "(it must leave room for at least one new token); shorten the prompt"
-            )
-    mn = np.asarray(max_new_tokens).reshape(-1)
-    if (mn.dtype.kind not in "iuf" or np.any(mn < 1) or np.any(mn != np.round(mn))
-            or np.any(mn > MAX_NEW_TOKENS)):
-        raise ValueError(f"max_new_tokens must be an integer >= 1 (at most {MAX_NEW_TOKENS}), got {max_new_tokens!r}")
-    if drafter is not None:
-        _check_gamma(gamma)
-
-
-def _check_gamma(gamma) -> None:
-    """Raises ValueError unless ``gamma`` is an integer in [1, ``MAX_GAMMA``]."""
-    if isinstance(gamma, bool) or not isinstance(gamma, (int, float, np.integer, np.floating)) \
-            or not np.isfinite(gamma) or int(gamma) != gamma or gamma < 1:
-        raise ValueError(f"gamma (num_draft_tokens) must be an integer >= 1, got {gamma!r}")
-    if gamma > MAX_GAMMA:
-        raise ValueError(f"gamma (num_draft_tokens) must be <= {MAX_GAMMA} draft tokens per round, got {gamma!r}; "
-                         f"use gamma={MAX_GAMMA} or less")
 
 
 class Decoder:
@@ -268,7 +115,7 @@ class Decoder:
         if self.tree is not None:
             gamma = self.tree.depth
         if drafter is not None:
-            _check_gamma(gamma)
+            check_gamma(gamma)
         if isinstance(prompt_bucket, bool) or int(prompt_bucket) != prompt_bucket or prompt_bucket < 1:
             raise ValueError(f"prompt_bucket must be an integer >= 1, got {prompt_bucket!r}")
         self.prompt_bucket = int(prompt_bucket)
@@ -281,11 +128,30 @@ class Decoder:
         self._compiled: dict = {}
 
     # ---- compile (AOT, timed separately)
+    @property
+    def compiled(self) -> dict:
+        """The programs this Decoder compiled: ``{key: executable}`` with key ``(which, program,
+        argument tree structure, ((shape, dtype) per argument leaf))`` — ``which`` ``"start"`` (the
+        prefill) or ``"run"`` (the decode loop), ``program`` its :class:`Program` — and the
+        executable a ``jax.stages.Compiled`` or :class:`~specjax.runtime.programs.ExportedProgram`.
+        ``len(dec.compiled)`` counts the programs compiled so far. Assignable: Decoders of one target
+        shape given one dict share their executables (parameters are arguments), and ``{}`` drops them."""
+        return self._compiled
+
+    @compiled.setter
+    def compiled(self, programs_by_key: dict) -> None:
+        self._compiled = programs_by_key
+
     def _key(self, which, prog, args):
         return (which, prog, jax.tree_util.tree_structure(args),
                 tuple((x.shape, x.dtype) for x in jax.tree_util.tree_leaves(args)))
 
-    def _get(self, which, prog, args):
+    def compiled_program(self, which: str, prog: Program, args: tuple):
+        """The executable of ``which`` (``"start"``: the prefill, called with :meth:`prepare`'s
+        start args; ``"run"``: the decode loop, called with :meth:`run_args`) for ``prog`` and
+        ``args`` (arrays or ``ShapeDtypeStruct`` s: only their shapes, dtypes and tree structure
+        count), compiled ahead of time on first use and kept in :attr:`compiled`. Returns
+        ``(executable, compile seconds)`` (0.0 when it was compiled already)."""
         key = self._key(which, prog, args)
         hit = self._compiled.get(key)
         if hit is not None:
@@ -393,7 +259,7 @@ class Decoder:
         sampling.with_vocab(cfg.vocab_size)
         if keys is None:
             keys = request_keys(seed, b, seed_offset)
-        eos_arr = _stop_ids_array(list(cfg.eos_token_ids if eos_ids is None else eos_ids), stop_token_ids, b,
+        eos_arr = stop_ids_array(list(cfg.eos_token_ids if eos_ids is None else eos_ids), stop_token_ids, b,
                                   cfg.vocab_size)
         prog = self._program(int(plens.max()), int(mn.max()), logprobs)
         dparams = None if self.drafter is None else self.drafter.params
@@ -414,7 +280,7 @@ class Decoder:
 
         Compiles (once per shape bucket) the prefill AND the decode loop before the prefill
         runs, as one ``progress`` phase (the decode loop's input shapes come from the compiled
-        prefill's output, :meth:`_run_shapes`), so a later :meth:`run` never compiles; the
+        prefill's output, :meth:`run_shapes`), so a later :meth:`run` never compiles; the
         prefill is a phase of its own after it (both lines only when something was compiled).
         The prefill does not depend on γ: off a mesh it is compiled once per (drafter, shape
         bucket) for every γ (:func:`prefill_program`), and the γ-shaped parts of the state are
@@ -422,7 +288,7 @@ class Decoder:
         prog, args = self.prepare(prompts, **kw)
         sprog = prog if self.mesh is not None else prefill_program(prog)
         known = self._compiled.get(self._key("start", sprog, args))
-        fresh = known is None or self._key("run", prog, self._run_args(self._run_shapes(known, sprog, prog), 0)) \
+        fresh = known is None or self._key("run", prog, self.run_args(self.run_shapes(known, sprog, prog), 0)) \
             not in self._compiled
         what = "prefill + decode loop"
         if prog.tree is not None:
@@ -433,8 +299,8 @@ class Decoder:
         with phase(self.progress if fresh else None,
                    f"compiling {what} for prompts of ≤ {p} tokens "
                    "(once per length bucket; the on-disk cache makes the next run faster)"):
-            fn, c = self._get("start", sprog, args)
-            _, c2 = self._get("run", prog, self._run_args(self._run_shapes(fn, sprog, prog), 0))
+            fn, c = self.compiled_program("start", sprog, args)
+            _, c2 = self.compiled_program("run", prog, self.run_args(self.run_shapes(fn, sprog, prog), 0))
         rows = len(prompts)
         with phase(self.progress if fresh else None,
                    f"prefill of {rows} prompt{'s' if rows != 1 else ''} ({p}-token bucket)"):
@@ -447,14 +313,21 @@ class Decoder:
         return prog, st, c + c2, prefill_s
 
     @staticmethod
-    def _run_shapes(compiled_start, sprog, prog):
-        """The state :meth:`start` gives to the decode loop, as shapes (``ShapeDtypeStruct`` with
-        shardings): the compiled prefill's output, with :func:`size_for_gamma` applied when the
-        prefill was compiled for a normalized program (nothing runs)."""
+    def run_shapes(compiled_start, sprog: Program, prog: Program):
+        """The state :meth:`start` gives to the decode loop of ``prog``, as shapes: a
+        :class:`~specjax.runtime.loop.DecodeState` of ``jax.ShapeDtypeStruct`` s with shardings
+        (``tokens [B, L]`` int32, ``target_cache`` …, ``L = prog.buffer_len``): the output of
+        ``compiled_start``, the prefill compiled for ``sprog`` (:meth:`compiled_program`), with
+        :func:`size_for_gamma` applied when ``sprog`` is the normalized program
+        (:func:`prefill_program`) rather than ``prog``. Nothing runs."""
         info = compiled_start.out_info
         return info if sprog is prog else jax.eval_shape(lambda s: size_for_gamma(s, prog), info)
 
-    def _run_args(self, st, round_limit):
+    def run_args(self, st, round_limit) -> tuple:
+        """The decode loop's arguments for state ``st`` (a :class:`~specjax.runtime.loop.DecodeState`
+        of arrays, or of shapes from :meth:`run_shapes`): ``(target params, drafter params or None,
+        st, round_limit)`` with ``round_limit`` an int32 scalar (rounds to run up to, counted in
+        ``st.round``), replicated over the mesh when there is one."""
         dparams = None if self.drafter is None else self.drafter.params
         args = (self.target.params, dparams, st, jnp.int32(round_limit))
         if self.mesh is not None:
@@ -482,8 +355,8 @@ class Decoder:
                 lengths, done = np.asarray(hv.lengths), np.asarray(hv.done)
                 v = view_for(views, int(np.max(np.where(done, 1, lengths))), prog.round_span)
                 p = prog if v is None else dataclasses.replace(prog, kv_view=v)
-            args = self._run_args(st, round_limit)
-            fn, c = self._get("run", p, args)
+            args = self.run_args(st, round_limit)
+            fn, c = self.compiled_program("run", p, args)
             t0 = time.perf_counter()
             st = jax.block_until_ready(fn(*args))
             compile_s, seconds = compile_s + c, seconds + time.perf_counter() - t0
@@ -515,7 +388,7 @@ class Decoder:
             prog, st, c, prefill_s = self.start(prompts, **kw)
             st, c2, decode_s = self.run(prog, st, np.iinfo(np.int32).max)
             return self._finish(st, len(prompts), c + c2, prefill_s, decode_s, {}, eos)
-        _check_rounds_per_chunk(rounds_per_chunk)
+        check_rounds_per_chunk(rounds_per_chunk)
         prog, st, c, prefill_s = self.start(prompts, **kw)
         decode_s, cuts = 0.0, {}
         for st, newly, dt in self._chunks(prog, st, len(prompts), rounds_per_chunk, stop_fn, cuts):
@@ -574,40 +447,10 @@ class Decoder:
         Raises:
           ValueError: ``rounds_per_chunk`` is not an integer >= 1 (0 would loop forever).
         """
-        _check_rounds_per_chunk(rounds_per_chunk)
+        check_rounds_per_chunk(rounds_per_chunk)
         prog, st, _, _ = self.start(prompts, **kw)
         for _, newly, _ in self._chunks(prog, st, len(prompts), rounds_per_chunk):
             yield newly
-
-
-def _check_rounds_per_chunk(rounds_per_chunk):
-    if isinstance(rounds_per_chunk, bool) or int(rounds_per_chunk) != rounds_per_chunk or rounds_per_chunk < 1:
-        raise ValueError(f"rounds_per_chunk must be an integer >= 1, got {rounds_per_chunk!r}")
-
-
-def _stop_ids_array(eos: list, stop_token_ids, batch: int, vocab: int) -> np.ndarray:
-    """``[B, E]`` int32 ids that end each row (−1 = unused): ``eos`` plus the stop token ids
-    (one list for all rows, or one list per row). E is a shape of the compiled programs, so it
-    is padded to a multiple of ``STOP_IDS_BUCKET``: a request with a different number of stop
-    ids reuses the programs of its bucket."""
-    if stop_token_ids is None or len(stop_token_ids) == 0:
-        per_row = [[] for _ in range(batch)]
-    elif all(isinstance(x, (list, tuple, np.ndarray)) for x in stop_token_ids):
-        if len(stop_token_ids) != batch:
-            raise ValueError(f"got {len(stop_token_ids)} stop_token_ids lists for {batch} prompts; "
-                             "pass one list for all prompts or one per prompt")
-        per_row = [list(x) for x in stop_token_ids]
-    else:
-        per_row = [list(stop_token_ids)] * batch
-    rows = [list(eos) + list(r) for r in per_row]
-    for r in rows:
-        for t in r:
-            if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= int(t) < vocab:
-                raise ValueError(f"stop token id {t!r} is not an id of the model's vocabulary [0, {vocab})")
-    out = np.full((batch, round_up(max(len(r) for r in rows), STOP_IDS_BUCKET)), -1, np.int32)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = r
-    return out
 
 
 def generate(target, prompts, *, drafter=None, gamma: int = 4, tree_nodes=None, tree_depth=None, tree_topk=None,

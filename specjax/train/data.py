@@ -347,6 +347,11 @@ class RowSegments:
         self.dtype = segs[0].dtype if segs else np.dtype(np.float32)
 
     @property
+    def segments(self) -> list:
+        """The non-empty segments, in order (arrays or memory maps; not copied)."""
+        return list(self._segs)
+
+    @property
     def shape(self) -> tuple:
         return (int(self._starts[-1]),) + self._row
 
@@ -389,11 +394,11 @@ def join_rows(parts) -> "RowSegments":
     """Arrays and :class:`RowSegments` as one :class:`RowSegments` (no copy of the rows)."""
     segs = []
     for x in parts:
-        segs += x._segs if isinstance(x, RowSegments) else [x]
+        segs += x.segments if isinstance(x, RowSegments) else [x]
     return RowSegments(segs)
 
 
-def _npz_member(path: str, name: str):
+def npz_member(path: str, name: str):
     """The array ``name`` of the npz file ``path`` memory-mapped (read-only) when it is stored
     uncompressed (as :func:`write_part` writes it: ``np.savez``); loaded otherwise."""
     import struct
@@ -444,7 +449,7 @@ def collect_parts(parts_dir: str) -> tuple[list[dict], dict]:
             seqs.append(q)
         for k in ("topk_p", "topk_idx", "argmax"):
             arrs[k].append(z[k])
-        hidden.append(_npz_member(path, "hidden"))
+        hidden.append(npz_member(path, "hidden"))
     if not seqs:
         raise DistillError(f"{parts_dir}: no generated data yet")
     return seqs, {"hidden": RowSegments(hidden), **{k: np.concatenate(v) for k, v in arrs.items()}}

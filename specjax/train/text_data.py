@@ -111,7 +111,7 @@ def text_windows(target, roots: list[str], max_tokens: int, window: int, *, excl
     return out
 
 
-def _prefill_fn(target, window: int, topk: int, feature_layers: tuple[int, ...]):
+def teacher_forcing_fn(target, window: int, topk: int, feature_layers: tuple[int, ...]):
     """Jitted ``f(params, ids [b, window] int32)`` → ``(hidden, topk_p, topk_idx, argmax)`` per position
     (one prefill pass: teacher forcing)."""
     import jax
@@ -150,7 +150,7 @@ def teacher_forced_data(target, windows: list[dict], *, window: int, batch: int,
         if os.path.exists(part):
             continue
         if f is None:
-            f = _prefill_fn(target, window, topk, tuple(feature_layers))
+            f = teacher_forcing_fn(target, window, topk, tuple(feature_layers))
         ids = np.zeros((batch, window), np.int32)
         for j, w in enumerate(chunk):
             ids[j, : len(w["ids"])] = w["ids"]

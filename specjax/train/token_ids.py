@@ -215,7 +215,7 @@ def replay_data(target, seqs: list[dict], *, batch: int, topk: int, parts_dir: s
     :func:`specjax.train.data.generate_data` writes them (same arrays and sequence dicts; a
     restart skips the finished parts, so the order must not change: it is fixed by ``seqs``)."""
     from specjax.train.data import write_part
-    from specjax.train.text_data import _prefill_fn
+    from specjax.train.text_data import teacher_forcing_fn
 
     os.makedirs(parts_dir, exist_ok=True)
     order = sorted(range(len(seqs)), key=lambda i: (-(-len(seqs[i]["ids"]) // step), i))
@@ -233,7 +233,7 @@ def replay_data(target, seqs: list[dict], *, batch: int, topk: int, parts_dir: s
         if os.path.exists(part):
             continue
         if w not in fns:
-            fns[w] = _prefill_fn(target, w, topk, tuple(feature_layers))
+            fns[w] = teacher_forcing_fn(target, w, topk, tuple(feature_layers))
         ids = np.zeros((_rows(batch, w), w), np.int32)
         for j, i in enumerate(idx):
             ids[j, : len(seqs[i]["ids"])] = seqs[i]["ids"]
