@@ -108,7 +108,7 @@ def main():
             _run(eng, prompts, 4)
             eng.chunks_by_rows.clear()
             res = _run(eng, prompts, args.new, clients=c)
-            extra = {} if eng._auto is None else {"auto_rates": {str(k): v for k, v in eng._auto.summary().items()}}
+            extra = {} if eng.auto is None else {"auto_rates": {str(k): v for k, v in eng.auto.summary().items()}}
             extra["chunks_by_rows"] = dict(eng.chunks_by_rows)
             print(json.dumps(dict(concurrency=c, slots=slots, method=method, ladder=ladder, requests=len(prompts), new=args.new,
                                   dtype=args.dtype, warmup_s=round(warm, 1), **res, **extra), default=str), flush=True)

@@ -31,5 +31,6 @@ from specjax.models.config import CheckpointError, ModelConfig, UnsupportedModel
 from specjax.io.loading import Model, load_model  # noqa: E402
 from specjax.core.sampling import Sampling, SamplingParams  # noqa: E402
 from specjax.runtime.decoder import Decoder, GenerationResult, RowStats, generate, speculative_generate  # noqa: E402
+from specjax.runtime.request import Request  # noqa: E402
 from specjax.api import encode_prompts, generate_text, load_drafter  # noqa: E402
 from specjax.io.prompts import read_prompts  # noqa: E402

@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import tomllib
 from typing import Any, Sequence
@@ -20,6 +19,7 @@ from specjax.core.sampling import Sampling  # (annotations; code reads sampling_
 from specjax.core.settings import SettingError, knobs
 from specjax.models.config import CheckpointError
 from specjax.runtime.decoder import Decoder
+from specjax.runtime.request import Request, field_names, request_class
 from specjax.runtime.settings import DecodeSettings
 from specjax.runtime.stats import RunStats
 from specjax.drafters import registry
@@ -259,7 +259,7 @@ def _text_callback(on_text, streams: list[TextStream], first: int):
     return on_chunk
 
 
-def _logprob_records(tokenizer, rows):
+def logprob_records(tokenizer, rows):
     """JSON-ready log-probabilities: per token ``{"token", "id", "logprob", "top_logprobs"}``."""
     piece = lambda i: tokenizer.decode([i], skip_special_tokens=False)  # noqa: E731
     return [{"token": piece(r["id"]), "id": r["id"], "logprob": r["logprob"],
@@ -270,23 +270,18 @@ def generate_text(
     target: Model,
     prompts: Sequence[str],
     *,
+    request: Request | None = None,
     drafter=None,
     gamma: int = 4,
     tree_nodes: int | None = None, tree_depth: int | None = None, tree_topk: int | None = None,
-    max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
     chat: bool = False,
     chat_template_kwargs: dict | None = None,
-    batch_size: int | None = None,
-    ignore_eos: bool = False,
     decoder: Decoder | None = None,
-    stop: Sequence[str] | None = None,
-    stop_token_ids: Sequence[int] | None = None,
-    logprobs: int | None = None,
     on_text=None, on_done=None, progress=None,
     parse_special: bool = True,
     settings: DecodeSettings | None = None,
     sampling: Sampling | None = None,
-    **sampling_fields: Any,
+    **fields: Any,
 ) -> list[dict]:
     """Generate text for each prompt. Returns one dict per prompt:
     ``{"text", "tokens", "stats"}`` (and ``"logprobs"`` when asked) where ``stats`` has
@@ -294,27 +289,26 @@ def generate_text(
     ``tokens_per_s`` (the prompt's new tokens ÷ its batch's decode seconds; ``None`` without decode
     time) and the speculative counters of :class:`specjax.runtime.decoder.GenerationResult`.
 
+    The request: ``request=`` a :class:`~specjax.runtime.request.Request` (or a
+    :class:`~specjax.runtime.settings.DecodeSettings`, a request with a ``batch_size``; ``settings=``
+    is the same argument under its older name), or — the thin keyword form — its declared fields as
+    keywords (``max_new_tokens``, ``seed``, ``ignore_eos``, ``stop``, ``stop_token_ids``, ``logprobs``,
+    … : each field's default and range are the declaration's), ``batch_size``, and the sampling as
+    ``sampling=`` (a :class:`~specjax.core.sampling.Sampling`) or as its fields (``temperature``,
+    ``top_k``, ``top_p``, ``min_p``, the penalties, ``min_tokens``, ``logit_bias`` — a dict ``{token
+    id: bias}``). Give one form: a request together with a keyword that is not its default is refused.
+
     Args:
-      tree_nodes, tree_depth, tree_topk: draft trees of N nodes, depth D and at most K children
-        per node instead of chains of ``gamma`` drafts (all three or none; see
-        :class:`specjax.runtime.decoder.Decoder`).
-      max_new_tokens, temperature, top_k, top_p, seed, batch_size, ignore_eos: the decoding
-        settings as keywords (see :class:`specjax.runtime.settings.DecodeSettings` for the
-        ranges), or all together as ``settings``.
-      settings: a :class:`~specjax.runtime.settings.DecodeSettings` (then leave those keywords
-        at their defaults).
-      sampling: a :class:`~specjax.core.sampling.Sampling` (every sampling setting whole), or give
-        its fields as keywords: ``temperature``, ``top_k``, ``top_p`` and every other declared
-        field (``min_p``, ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``,
-        ``min_tokens``, ``logit_bias`` — a dict ``{token id: bias}``) as ``**sampling_fields``.
-      stop: strings that end a row when its decoded text contains one: the text is cut
-        before it, ``tokens`` end with the token that completed it, ``finish_reason`` is
+      tree_nodes, tree_depth, tree_topk: draft trees of N nodes, depth D and at most K children per
+        node instead of chains of ``gamma`` drafts (all three or none; see ``Decoder``).
+      stop (a request field): strings that end a row when its decoded text contains one: the text is
+        cut before it, ``tokens`` end with the token that completed it, ``finish_reason`` is
         ``"stop"``, and nothing after it is emitted or counted (exact with speculative
         decoding: a stop string completed inside an accepted block ends the row there).
-      stop_token_ids: ids that end a row (``finish_reason`` ``"stop"``): one list for all
-        prompts or one list per prompt.
-      logprobs: ``None`` (off) or N ≥ 0: per emitted token its log-probability and the top N
-        alternatives (:class:`specjax.runtime.decoder.Logprobs`), as ``"logprobs"``: a list of
+      stop_token_ids (a request field): ids that end a row (``finish_reason`` ``"stop"``): one list for
+        all prompts or, as a keyword, one list per prompt.
+      logprobs (a request field): ``None`` (off) or N ≥ 0: per emitted token its log-probability and
+        the top N alternatives (:class:`specjax.runtime.decoder.Logprobs`), as ``"logprobs"``: a list of
         ``{"token", "id", "logprob", "top_logprobs": [{"token", "id", "logprob"}]}``.
       on_text: ``on_text(i, piece)`` is called with prompt i's text as it is generated
         (incremental detokenization per chunk of rounds; the pieces add up to ``text``).
@@ -328,39 +322,41 @@ def generate_text(
 
     Raises:
       ValueError: ``prompts`` or ``stop`` given as one string instead of a list, an empty prompt
-        or stop string, bad sampling settings or stop ids, or ``settings`` together with a
-        decoding keyword that is not its default.
+        or stop string, a field out of its declared range (a
+        :class:`~specjax.core.settings.SettingError` naming it), bad stop ids, or a request together
+        with a keyword that is not its default.
+      TypeError: an unknown keyword (names the declared fields).
     """
-    kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-              batch_size=batch_size, ignore_eos=ignore_eos, **sampling_fields)
-    settings = _settings(settings, sampling, kw)
-    stop = _check_text_args(prompts, stop)
+    if request is not None and settings is not None:
+        raise ValueError("pass the request either as request= or as settings= (its older name), not both")
+    per_row_ids = fields.get("stop_token_ids")
+    per_row = isinstance(per_row_ids, (list, tuple)) and len(per_row_ids) > 0 and all(
+        isinstance(x, (list, tuple)) for x in per_row_ids)
+    if per_row:
+        fields.pop("stop_token_ids")
+    _check_text_args(prompts, fields.get("stop"))
+    settings = decode_settings(request if request is not None else settings, sampling, **fields)
+    stop = list(settings.stop)
     ids = encode_prompts(target, prompts, chat, parse_special=parse_special, chat_template_kwargs=chat_template_kwargs)
     dec = decoder or Decoder(target, drafter, gamma, progress=progress, tree_nodes=tree_nodes, tree_depth=tree_depth,
                              tree_topk=tree_topk)
-    per_row_stops = stop_token_ids is not None and len(stop_token_ids) > 0 and all(
-        isinstance(x, (list, tuple)) for x in stop_token_ids)
     results = []
     for rows in settings.batches(len(ids)):
-        stop_ids = stop_token_ids[rows.start:rows.stop] if per_row_stops else stop_token_ids
-        results += _generate_batch(dec, target.tokenizer, ids, rows, settings, stop, stop_ids, logprobs,
+        stop_ids = per_row_ids[rows.start:rows.stop] if per_row else (list(settings.stop_token_ids) or None)
+        results += _generate_batch(dec, target.tokenizer, ids, rows, settings, stop, stop_ids, settings.logprobs,
                                    on_text, on_done)
     return results
 
 
-def _check_text_args(prompts, stop) -> list[str]:
-    """The stop strings as a list, after refusing a lone string where a list is expected.
+def _check_text_args(prompts, stop) -> None:
+    """Refuse a lone string where a list is expected.
 
     Raises:
-      ValueError: ``prompts`` or ``stop`` given as one string, or an empty / non-string stop string."""
+      ValueError: ``prompts`` or ``stop`` given as one string."""
     if isinstance(prompts, str):
         raise ValueError(f"prompts must be a list of strings, got one string; pass [{prompts[:20]!r}]")
     if isinstance(stop, str):
         raise ValueError(f"stop must be a list of strings, got one string; pass [{stop!r}]")
-    stop = [] if stop is None else list(stop)
-    if any(not isinstance(s, str) or not s for s in stop):
-        raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")
-    return stop
 
 
 def _generate_batch(dec, tok, ids, rows: range, settings: DecodeSettings, stop, stop_ids, logprobs, on_text,
@@ -386,19 +382,22 @@ def _generate_batch(dec, tok, ids, rows: range, settings: DecodeSettings, stop, 
     return out
 
 
-def _settings(settings: DecodeSettings | None, sampling: Sampling | None, kw: dict) -> DecodeSettings:
-    """``settings``, or one built from :func:`generate_text`'s decoding keywords ``kw`` (and a
-    whole ``sampling``).
+def decode_settings(request: Request | None = None, sampling: Sampling | None = None, **kw) -> DecodeSettings:
+    """The :class:`DecodeSettings` of :func:`generate_text`: ``request`` (a batch size added when it is
+    a plain :class:`Request`), or one built from the keywords ``kw`` — the declared request fields,
+    ``batch_size`` and the sampling fields — (and a whole ``sampling``).
 
     Raises:
-      ValueError: a keyword out of range, or ``settings`` with a keyword that is not its default.
-      TypeError: an unknown keyword (names the declared sampling fields).
+      ValueError: a keyword out of range, or a request with a keyword that is not its default.
+      TypeError: an unknown keyword (names the declared fields).
     """
     names = {n for n, _, _ in knobs(sampling_mod.Sampling)}
-    unknown = sorted(k for k in kw if k not in names and k not in {f.name for f in dataclasses.fields(DecodeSettings)})
+    own = field_names() | {"batch_size"}
+    unknown = sorted(k for k in kw if k not in names and k not in own)
     if unknown:
-        raise TypeError(f"generate_text() got unknown keyword(s) {unknown}; sampling settings: {sorted(names)}")
-    default = DecodeSettings()  # its defaults are generate_text's keyword defaults
+        raise TypeError(f"generate_text() got unknown keyword(s) {unknown}; request fields: {sorted(own)}; "
+                        f"sampling settings: {sorted(names)}")
+    default = DecodeSettings()  # its defaults are the declaration's: generate_text's keyword defaults
     if sampling is not None:
         if not isinstance(sampling, sampling_mod.Sampling):
             raise ValueError(f"sampling must be a specjax.Sampling, got {type(sampling).__name__}")
@@ -408,13 +407,15 @@ def _settings(settings: DecodeSettings | None, sampling: Sampling | None, kw: di
                              f"(got sampling and {', '.join(given)})")
         kw = {k: v for k, v in kw.items() if k not in names}
         kw["sampling"] = sampling
-    if settings is None:
+    if request is None:
         return DecodeSettings.create(**kw)
+    if not isinstance(request, (Request, DecodeSettings)):
+        raise ValueError(f"request must be a specjax Request, got {type(request).__name__}")
     given = sorted(k for k, v in kw.items() if v != getattr(default, k))
     if given:
-        raise ValueError(f"pass the decoding settings either as settings= or as keywords, not both "
-                         f"(got settings and {', '.join(given)})")
-    return settings
+        raise ValueError(f"pass the request either as request= or as keywords, not both "
+                         f"(got request and {', '.join(given)})")
+    return request if isinstance(request, DecodeSettings) else DecodeSettings(request=request)
 
 
 def _row_result(tok, stop, r, j: int) -> dict:
@@ -428,7 +429,7 @@ def _row_result(tok, stop, r, j: int) -> dict:
     text.feed(toks)
     out = {"text": text.text(final=True), "tokens": toks, "stats": st}
     if r.logprobs is not None:
-        out["logprobs"] = _logprob_records(tok, r.logprobs[j])
+        out["logprobs"] = logprob_records(tok, r.logprobs[j])
     return out
 
 
@@ -437,7 +438,9 @@ def load_pair_config(name_or_path: str) -> dict[str, Any]:
     (``configs/NAME.toml``). Keys: ``model``, ``draft``, ``gamma``, ``tree_nodes``, ``tree_depth``,
     ``tree_topk`` (a draft tree instead of ``gamma``: all three together), every field of
     :class:`~specjax.core.sampling.Sampling` (``temperature``, ``top_k``, ``top_p``, ``min_p``, the
-    penalties, ``min_tokens``, ``logit_bias`` as a table), ``max_new_tokens``, ``dtype`` (a weight format or ``"auto"``), ``draft_dtype``, ``chat``,
+    penalties, ``min_tokens``, ``logit_bias`` as a table), every declared request field that is a
+    config key (:class:`~specjax.runtime.request.Request`: ``max_new_tokens``, ``ignore_eos``,
+    ``seed``, ``stop`` as a list, ``stop_token_ids``, ``logprobs``), ``dtype`` (a weight format or ``"auto"``), ``draft_dtype``, ``chat``,
     ``parse_special``, ``description``.
 
     Raises:
@@ -463,7 +466,7 @@ def load_pair_config(name_or_path: str) -> dict[str, Any]:
         cfg = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"{path}: not valid TOML ({e}); fix the syntax") from None
-    types = _config_types()
+    types = config_types()
     allowed = set(types)
     unknown = set(cfg) - allowed
     if unknown:
@@ -474,6 +477,10 @@ def load_pair_config(name_or_path: str) -> dict[str, Any]:
             raise ValueError(f"{path}: key {key!r} must be {check[1]}, got {type(value).__name__} {value!r}")
     try:  # the declared ranges of the sampling keys
         sampling_mod.Sampling(**{k: cfg[k] for k in allowed & set(cfg) if k in {n for n, _, _ in knobs(sampling_mod.Sampling)}})
+    except SettingError as e:
+        raise ValueError(f"{path}: key {e.name!r}: {e}") from None
+    try:  # the declared ranges of the request keys (cross-field rules: when the request is built)
+        request_class()(**{k: cfg[k] for k in field_names() & set(cfg)})
     except SettingError as e:
         raise ValueError(f"{path}: key {e.name!r}: {e}") from None
     tree = [k for k in TREE_KEYS if k in cfg]
@@ -514,7 +521,6 @@ _CONFIG_TYPES = {  # key: (check, expected type as the error says it)
     "model": (lambda v: isinstance(v, str), "a string (a .gguf path, model directory or hub id)"),
     "draft": (_str_or_strs, "a string (none, ngram[:N], default, a drafter path) or a list of them"),
     "gamma": (_gamma_ok, "an integer >= 1, \"auto\", or a list of integers >= 1"),
-    "max_new_tokens": (_is_int, "an integer >= 1"),
     "dtype": (lambda v: v in (*_DTYPES, "auto"), f"one of {', '.join(_DTYPES)}, auto"),
     "draft_dtype": (lambda v: v in _DTYPES, f"one of {', '.join(_DTYPES)}"),
     "chat": (lambda v: isinstance(v, bool), "true or false"),
@@ -524,11 +530,20 @@ _CONFIG_TYPES = {  # key: (check, expected type as the error says it)
 }
 
 
-def _config_types() -> dict:
+_KIND_WORDS = {float: "a number", int: "an integer", bool: "true or false", str: "a string"}
+
+
+def config_types() -> dict:
     """Every pair-config key: ``{key: (type check, expected type in words)}`` — the fixed keys and
     one per declared sampling field (:class:`~specjax.core.sampling.Sampling`; a TOML table for
     ``logit_bias``)."""
+    from specjax.runtime.request import config_key_ok, declared
+
     out = dict(_CONFIG_TYPES)
+    for name, k, _ in declared():  # every declared request field that is a config key
+        if k.config:
+            out[name] = (lambda v, k=k: config_key_ok(k, v), f"{'a list' if k.kind is tuple else _KIND_WORDS[k.kind]}"
+                                                             f" ({k.expect})")
     for name, k, _ in knobs(sampling_mod.Sampling):
         kind = {float: (_is_num, "a number"), int: (_is_int, "an integer"), bool: (lambda v: isinstance(v, bool),
                 "true or false"), str: (lambda v: isinstance(v, str), "a string"),

@@ -69,12 +69,13 @@ def make_app(pair, slots=4, **kw):
     from specjax.runtime.decoder import Decoder
     from specjax.runtime.engine import Engine
     from specjax.serve.app import create_app
-    from specjax.serve.protocol import ServeDefaults
+    from specjax.serve.protocol import ServeDefaults, server_request
 
     engine = Engine(Decoder(pair.target, pair.drafter, GAMMA), slots=slots, max_context=CONTEXT, max_logprobs=20)
     engine.warmup()
     d = ServeDefaults(model_name=MODEL, context_limit=int(engine.context_limit),
-                      vocab_size=pair.target.config.vocab_size, max_new_tokens=12, chat=True)
+                      vocab_size=pair.target.config.vocab_size, request=server_request().replace(max_new_tokens=12),
+                      chat=True)
     return create_app(engine, pair.tok, d, **kw)
 
 

@@ -226,13 +226,13 @@ def test_bench_request_keys_are_the_old_per_prompt_keys():
     import jax
     import numpy as np
 
-    from specjax.eval.bench import _Run, make_batches
+    from specjax.eval.bench import BenchRun, make_batches
     from specjax.runtime.decoder import seed_key
     from specjax.runtime.settings import DecodeSettings
 
     prompts = [{"prompt": "w3", "category": c} for c in "abab ab"]
     for seed in (0, 7, 2 ** 40 + 3):
-        run = _Run(prompts, DecodeSettings(seed=seed, batch_size=2), make_batches(prompts, 2))
+        run = BenchRun(prompts, DecodeSettings(seed=seed, batch_size=2), make_batches(prompts, 2))
         for idx in run.batches:
             old = jax.numpy.stack([jax.random.fold_in(seed_key(seed), i) for i in idx])
             np.testing.assert_array_equal(np.asarray(run.keys[np.asarray(idx)]), np.asarray(old))

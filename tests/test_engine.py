@@ -16,6 +16,7 @@ from specjax.drafters.model import ModelDrafter
 from specjax.drafters.ngram import NgramDrafter
 from specjax.io.loading import truncate_model
 from specjax.runtime import engine as engine_mod
+from specjax.runtime import engine_rows
 from specjax.runtime import decoder as decoder_mod
 from specjax.runtime.decoder import Decoder, request_keys
 from specjax.runtime.engine import Engine, EngineRequest
@@ -160,9 +161,9 @@ def test_cancellation_frees_the_slot_and_nothing_recompiles():
     eng.warmup()
     reqs = _requests(6, seed=3)
     _serve(eng, reqs[:2])  # the prompt bucket's prefill compiled
-    sizes = (engine_mod._insert_jit._cache_size(), len(dec._compiled))
+    sizes = (engine_rows.compiled_programs("insert_row"), len(dec.compiled))
     out = _serve(eng, reqs, cancel=[(0, 1), (5, "queued")])
-    assert (engine_mod._insert_jit._cache_size(), len(dec._compiled)) == sizes
+    assert (engine_rows.compiled_programs("insert_row"), len(dec.compiled)) == sizes
     assert out[0][1].finish_reason == "cancelled" and out[5][1].finish_reason == "cancelled"
     assert 0 < len(out[0][0]) < reqs[0].max_new_tokens and out[5][0] == [] and out[5][1].stats is None
     for j in (1, 2, 3):
@@ -217,7 +218,7 @@ def test_speculation_under_load_keeps_every_guarantee(setup):
             assert fin.stats.draft_calls == fin.stats.target_calls and fin.stats.drafted_tokens > 0, j
         if r.logprobs is not None:
             assert [x["id"] for x in lps] == toks
-    plain = {k[1].plain for k in dec._compiled if k[0] == "run"}
+    plain = {k[1].plain for k in dec.compiled if k[0] == "run"}
     assert plain == {False, True} and skipped > 0, (plain, skipped)  # both programs ran
 
 
@@ -266,9 +267,9 @@ def test_plain_rounds_leave_no_holes_in_the_drafters_cache(kind, tree, tmp_path)
         base = _eagle(m)
     else:
         from specjax.api import load_drafter
-        from test_eagle3_published import _target, write_head
+        from test_eagle3_published import head_target, write_head
 
-        m = _target(scale=4.0)
+        m = head_target(scale=4.0)
         base = load_drafter(write_head(tmp_path / "head", m, seed=1)[0], m)
     prompt = np.random.default_rng(3).integers(2, 128, size=21).tolist()
 
@@ -313,7 +314,7 @@ def test_attention_views_give_the_full_buffers_tokens(fmt, setup, monkeypatch, b
         dec = Decoder(m, NgramDrafter(3), gamma=3) if setup == "ngram" else \
             Decoder(m, _eagle(m), tree_nodes=6, tree_depth=3, tree_topk=2)
         res = dec.generate(prompts, max_new_tokens=150, eos_ids=[])
-        return res, sorted(k[1].kv_view or 0 for k in dec._compiled if k[0] == "run")
+        return res, sorted(k[1].kv_view or 0 for k in dec.compiled if k[0] == "run")
 
     full, views_full = run(10 ** 9)
     viewed, views = run(64)
@@ -332,7 +333,7 @@ def test_no_attention_views_where_the_kernel_reads_the_rows_keys(monkeypatch):
     m = _model()
     dec = Decoder(m, NgramDrafter(3), gamma=3)
     dec.generate([[5, 6, 7]], max_new_tokens=150, eos_ids=[])
-    views = sorted(k[1].kv_view or 0 for k in dec._compiled if k[0] == "run")
+    views = sorted(k[1].kv_view or 0 for k in dec.compiled if k[0] == "run")
     kernel = attention.reads_visible_keys_only("float32", m.config.head_dim)
     assert views == ([0] if kernel else [0, 64, 128]), (kernel, views)
 
@@ -353,13 +354,13 @@ def test_long_prompts_are_admitted_piece_by_piece(monkeypatch, chunk, per_step):
         monkeypatch.setattr(mod, "PREFILL_CHUNK", chunk)
     monkeypatch.setattr(engine_mod, "ADMIT_TOKENS", 16)
     if per_step > 1:  # the budget the measured times would give when a decode chunk takes 3 pieces' time
-        real_budget = Engine._step_tokens
-        monkeypatch.setattr(Engine, "_step_tokens", lambda self: 16 * per_step if self._slots else real_budget(self))
+        real_budget = Engine.step_tokens
+        monkeypatch.setattr(Engine, "step_tokens", lambda self: 16 * per_step if self._slots else real_budget(self))
     pieces = []
     real = engine_mod.prompt_piece_jit
     monkeypatch.setattr(engine_mod, "prompt_piece_jit", lambda *a: pieces.append(a[-1]) or real(*a))
-    zeroed, real_zero = [], engine_mod._zero_jit
-    monkeypatch.setattr(engine_mod, "_zero_jit", lambda t: zeroed.append(1) or real_zero(t))
+    zeroed, real_zero = [], engine_mod.zero_jit
+    monkeypatch.setattr(engine_mod, "zero_jit", lambda t: zeroed.append(1) or real_zero(t))
     m = tiny_model(seed=1, scale=4.0, max_position_embeddings=400 + chunk)  # its own programs (the chunk is traced)
     dec = Decoder(m, NgramDrafter(3), gamma=3)
     eng = Engine(dec, slots=2, max_context=200, rounds_per_chunk=2, max_logprobs=4, ladder=False)
@@ -371,9 +372,9 @@ def test_long_prompts_are_admitted_piece_by_piece(monkeypatch, chunk, per_step):
     for j, r in enumerate(reqs[:4]):
         assert out[j][0] == _alone(dec, r).tokens[0], j
     assert 16 in pieces  # prompts admitted in pieces while the others ran
-    assert zeroed  # the second pieced admission reused the first's buffers (_piece_inputs)
+    assert zeroed  # the second pieced admission reused the first's buffers (piece_inputs)
     rid = eng.submit(reqs[4])  # 90 tokens into an idle engine: whole chunks; cancelled after the first
-    assert eng.step() == [] and eng._admitting is not None and eng._admitting.done == chunk
+    assert eng.step() == [] and eng.admitting is not None and eng.admitting.done == chunk
     eng.cancel(rid)
     assert [(u.request_id, u.finish_reason) for u in eng.step()] == [(rid, "cancelled")] and eng.idle
 
@@ -390,7 +391,7 @@ def test_auto_speculation_measures_both_programs_and_keeps_tokens():
     out = _serve(eng, reqs)
     for j, r in enumerate(reqs):
         assert out[j][0] == _alone(dec, r).tokens[0], j
-    auto = eng._auto
+    auto = eng.auto
     assert auto.t_spec and auto.t_plain and set(auto.t_spec) == set(auto.t_plain)
     assert 1.0 <= auto.tau <= 1 + dec.gamma
     # the choice: τ / t_spec vs 1 / t_plain, the faster program with probes of the other
@@ -417,7 +418,7 @@ def test_auto_speculation_measures_both_programs_and_keeps_tokens():
 
 
 def test_speculative_chunks_are_paced_to_plain_ones_only_while_a_request_waits():
-    """Engine._chunk_rounds: rounds_per_chunk · t_plain / t_spec (at least 1, at most rounds_per_chunk)
+    """Engine.chunk_rounds: rounds_per_chunk · t_plain / t_spec (at least 1, at most rounds_per_chunk)
     for a speculative chunk under auto while a request is queued or being admitted; rounds_per_chunk
     otherwise (plain chunks, nobody waiting, either cost unmeasured, no auto policy)."""
     import types
@@ -428,10 +429,10 @@ def test_speculative_chunks_are_paced_to_plain_ones_only_while_a_request_waits()
 
     def fake(t_spec, t_plain, queue=(), admitting=None, auto=True):
         a = AutoSpeculation(t_spec=dict(t_spec), t_plain=dict(t_plain)) if auto else None
-        return types.SimpleNamespace(rounds_per_chunk=4, _auto=a, _queue=list(queue), _admitting=admitting,
-                                     _view=lambda rows: key)
+        return types.SimpleNamespace(rounds_per_chunk=4, auto=a, _queue=list(queue), admitting=admitting,
+                                     view_key=lambda rows: key)
 
-    rounds = Engine._chunk_rounds
+    rounds = Engine.chunk_rounds
     assert rounds(fake({key: 0.2}, {key: 0.1}, queue=[1]), False, 8) == 2  # 4 · 0.1 / 0.2
     assert rounds(fake({key: 0.2}, {key: 0.1}, admitting=object()), False, 8) == 2
     assert rounds(fake({key: 1.0}, {key: 0.1}, queue=[1]), False, 8) == 1  # at least one round
@@ -447,7 +448,7 @@ def test_compaction_moves_only_the_moved_rows():
     caches, keys, tokens), the source rows are marked done, every other row and the scalar round are
     untouched; pairs at or beyond ``count`` do nothing."""
     eng = Engine(_decoder("ar"), slots=4, max_context=64, max_logprobs=None)
-    st = eng._ensure_state()
+    st = eng.ensure_state()
     # rows told apart: every per-row leaf of row r filled with r + 1 (bools: r odd)
     st = jax.tree_util.tree_map(
         lambda x: x if np.ndim(x) == 0 else jax.numpy.asarray(
@@ -489,18 +490,18 @@ def test_auto_policy_ignores_chunk_times_that_ran_beside_an_admission():
 
 
 def test_an_admission_reuses_the_last_ones_buffers_zeroed_in_place():
-    """``_piece_inputs``: the last pieced admission's cache and hidden (``_spare``) come back as
+    """``piece_inputs``: the last pieced admission's cache and hidden (``spare``) come back as
     zeros, in place (the spare's arrays are donated: a fresh cache of the buffer's size page-faults
     ≈ 100 MB in, 0.1-0.3 s of the step that starts the admission, BENCHMARKS.md turn 24); a hidden
     of another prompt bucket is not reused. Without a spare: a new zero cache."""
     eng = Engine(_decoder("ar"), slots=2, max_context=160, max_logprobs=None)
-    _, cache, hidden = eng._piece_inputs([3] * 70)
+    _, cache, hidden = eng.piece_inputs([3] * 70)
     ones = lambda t: jax.tree_util.tree_map(lambda x: jax.numpy.ones_like(x), t)  # noqa: E731
     for bucket, reused_hidden in ((70, True), (20, False)):
         spare = (ones(cache), ones(hidden))
-        eng._spare = spare
-        arr, c2, h2 = eng._piece_inputs([3] * bucket)
-        assert eng._spare is None
+        eng.spare = spare
+        arr, c2, h2 = eng.piece_inputs([3] * bucket)
+        assert eng.spare is None
         assert all(not np.asarray(x).any() for x in jax.tree_util.tree_leaves((c2, h2)))
         assert all(x.is_deleted() for x in jax.tree_util.tree_leaves(spare[0]))  # donated: the same memory
         assert spare[1].is_deleted() == reused_hidden and h2.shape == (1, arr.shape[1], hidden.shape[2])

@@ -432,7 +432,8 @@ def test_a_new_sampling_field_is_a_request_field(monkeypatch):
         bases=(sampling_mod.Sampling,), frozen=True)
     monkeypatch.setattr(sampling_mod, "Sampling", new)
     tok = H.word_tokenizer()
-    d = P.ServeDefaults(model_name=MODEL, context_limit=CONTEXT, vocab_size=128, sampling=new())
+    d = P.ServeDefaults(model_name=MODEL, context_limit=CONTEXT, vocab_size=128,
+                        request=P.server_request().replace(sampling=new()))
     req = P.parse_completion({**OK_C, "foo_weight": 1.5, "temperature": 0.5}, tok, d)
     assert isinstance(req.sampling, new) and req.sampling.foo_weight == 1.5 and req.sampling.temperature == 0.5
     assert P.parse_chat({**OK_M, "foo_weight": 2}, tok, d).sampling.foo_weight == 2

@@ -84,20 +84,20 @@ def test_the_field_reaches_the_measurement_key_and_bench_json(new_field):
     assert measure.sampling_key(a)["foo_weight"] == 0.0
     assert measure.sampling_key(a) != measure.sampling_key(b)  # a new value is a new cache key
     run = SimpleNamespace(prompt_records=[], model_name="m", weight_bytes=1, parse_special=True, chat=True)
-    cfg = bench._bench_config([], b, run, {}, started="t", total_s=0.0, model=None, drafts=[], gammas=[],
+    cfg = bench.bench_config([], b, run, {}, started="t", total_s=0.0, model=None, drafts=[], gammas=[],
                               trees=[], dtypes=["float32"], draft_dtype="float32", chat=True, warmup=0)
     assert cfg["sampling"]["foo_weight"] == 1.0
 
 
 def test_every_declared_field_is_a_flag_and_a_key():
     """Without monkeypatching: the shipped fields all reach the CLI and the config check."""
-    from specjax.api import _config_types
+    from specjax.api import config_types
     from specjax.cli import build_parser
 
     parser = build_parser()
-    flags = {a.dest for a in parser._subparsers._group_actions[0].choices["generate"]._actions}
+    flags = set(vars(parser.parse_args(["generate", "x"])))  # every flag's destination
     for name, k, _ in knobs(sampling_mod.Sampling):
-        assert name in _config_types()
+        assert name in config_types()
         assert (name in flags) == k.flag, name
 
 
@@ -135,3 +135,138 @@ def test_logit_bias_outside_the_vocabulary_fails_before_loading(tmp_path, capsys
     assert main(["generate", "--config", str(cfg), "x"]) == 2
     err = capsys.readouterr().err
     assert "logit_bias names token id 99999, outside the vocabulary [0, 49152)" in err, err
+
+
+# ---- a request field is declared once (issue 50)
+
+@pytest.fixture
+def new_request_field(monkeypatch):
+    """:class:`~specjax.runtime.request.Request` with one more declared field, ``foo_limit`` (an integer
+    in [0, 9], default 0): the only edit, as a developer would add it to the declaration."""
+    from specjax.runtime import request as request_mod
+
+    new = dataclasses.make_dataclass(
+        "Request", [("foo_limit", int, knob(0, kind=int, check=lambda v: 0 <= v <= 9, expect="an integer in [0, 9]",
+                                              help="a new request field"))],
+        bases=(request_mod.Request,), frozen=True, init=False)
+    monkeypatch.setattr(request_mod, "Request", new)
+    return new
+
+
+def test_a_request_field_reaches_the_cli(new_request_field, capsys):
+    from specjax.cli import build_parser
+    from specjax.cli.common import UsageError, resolve
+
+    parser = build_parser()
+    for cmd in (["generate", "x"], ["bench", "--prompt", "x"], ["analyze", "--model", "m", "--draft", "ngram",
+                                                                  "--prompt", "x"]):
+        assert parser.parse_args(cmd + ["--foo-limit", "3"]).foo_limit == 3
+    s = resolve(parser.parse_args(["generate", "x", "--foo-limit", "4", "--max-new-tokens", "7"]))
+    assert isinstance(s["request"].request, new_request_field)
+    assert s["request"].foo_limit == 4 and s["request"].max_new_tokens == 7
+    assert resolve(parser.parse_args(["generate", "x"]))["request"].foo_limit == 0  # the declared default
+    with pytest.raises(UsageError, match=r"--foo-limit must be an integer in \[0, 9\], got 12"):
+        resolve(parser.parse_args(["generate", "x", "--foo-limit", "12"]))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "--help"])
+    assert "--foo-limit" in capsys.readouterr().out
+
+
+def test_a_request_field_reaches_the_pair_config(new_request_field, tmp_path):
+    from specjax.api import load_pair_config
+    from specjax.cli import build_parser
+    from specjax.cli.common import UsageError, resolve
+
+    good = tmp_path / "good.toml"
+    good.write_text('foo_limit = 2\nmax_new_tokens = 9\n')
+    assert load_pair_config(str(good))["foo_limit"] == 2
+    s = resolve(build_parser().parse_args(["generate", "x", "--config", str(good)]))
+    assert s["request"].foo_limit == 2 and s["request"].max_new_tokens == 9
+    s = resolve(build_parser().parse_args(["generate", "x", "--config", str(good), "--foo-limit", "5"]))
+    assert s["request"].foo_limit == 5  # a flag wins over the config
+    bad = tmp_path / "bad.toml"
+    bad.write_text('foo_limit = 11\n')
+    with pytest.raises(ValueError, match=r"foo_limit.*must be an integer in \[0, 9\]"):
+        load_pair_config(str(bad))
+    wrong = tmp_path / "wrong.toml"
+    wrong.write_text('foo_limit = "x"\n')
+    with pytest.raises(ValueError, match="foo_limit"):
+        load_pair_config(str(wrong))
+    cross = tmp_path / "cross.toml"  # a cross-field rule of the declaration, said as the config's key
+    cross.write_text('min_tokens = 50\nmax_new_tokens = 5\n')
+    with pytest.raises(UsageError, match=r"config .*cross.toml: min_tokens must be at most --max-new-tokens \(5\)"):
+        resolve(build_parser().parse_args(["generate", "x", "--config", str(cross)]))
+
+
+def test_a_request_field_reaches_generate_text(new_request_field):
+    from specjax.api import decode_settings, generate_text
+    from specjax.runtime.request import Request
+
+    st = decode_settings(foo_limit=6, max_new_tokens=3, temperature=0.5, batch_size=2)
+    assert st.foo_limit == 6 and st.request.foo_limit == 6 and st.temperature == 0.5 and st.batch_size == 2
+    assert decode_settings(request=Request(foo_limit=1)).foo_limit == 1
+    with pytest.raises(SettingError, match=r"foo_limit must be an integer in \[0, 9\]"):
+        decode_settings(foo_limit=10)
+    with pytest.raises(ValueError, match="not both"):
+        decode_settings(request=Request(), foo_limit=2)
+    # generate_text checks its keywords through the declaration before it encodes or decodes anything
+    with pytest.raises(SettingError, match="foo_limit"):
+        generate_text(SimpleNamespace(tokenizer=None), ["x"], foo_limit=10)
+    with pytest.raises(TypeError, match="unknown keyword"):
+        generate_text(SimpleNamespace(tokenizer=None), ["x"], foo_limitt=1)
+
+
+def test_a_request_field_reaches_the_http_body(new_request_field):
+    from serve_helpers import word_tokenizer
+    from specjax.serve import protocol as P
+
+    tok = word_tokenizer()
+    d = P.ServeDefaults(model_name="m", context_limit=64, vocab_size=128)
+    assert d.request.foo_limit == 0 and d.request.seed is None  # the server's defaults are a request's
+    body = {"model": "m", "prompt": "w5 w6", "max_tokens": 3}
+    req = P.parse_completion({**body, "foo_limit": 7}, tok, d)
+    assert isinstance(req.request, new_request_field) and req.request.foo_limit == 7 and req.foo_limit == 7
+    chat = P.parse_chat({"model": "m", "messages": [{"role": "user", "content": "w5"}], "foo_limit": 2}, tok, d)
+    assert chat.request.foo_limit == 2
+    assert P.parse_completion(body, tok, d).request.foo_limit == 0
+    with pytest.raises(P.RequestError, match=r"foo_limit must be an integer in \[0, 9\]") as e:
+        P.parse_completion({**body, "foo_limit": 10}, tok, d)
+    assert e.value.param == "foo_limit" and e.value.status == 400
+    with pytest.raises(P.RequestError, match="foo_limit") as e:
+        P.parse_completion({**body, "foo_limit": "x"}, tok, d)
+    assert e.value.param == "foo_limit"
+
+
+def test_a_request_field_reaches_the_engine_and_bench_json(new_request_field):
+    from specjax.eval import bench
+    from specjax.runtime.engine import EngineRequest
+    from specjax.runtime.settings import DecodeSettings
+
+    assert EngineRequest([3, 4], foo_limit=3).foo_limit == 3
+    st = DecodeSettings(foo_limit=8, max_new_tokens=5)
+    run = SimpleNamespace(prompt_records=[], model_name="m", weight_bytes=1, parse_special=True, chat=True)
+    cfg = bench.bench_config([], st, run, {}, started="t", total_s=0.0, model=None, drafts=[], gammas=[],
+                             trees=[], dtypes=["float32"], draft_dtype="float32", chat=True, warmup=0)
+    assert cfg["foo_limit"] == 8 and cfg["max_new_tokens"] == 5 and cfg["seed"] == 0
+
+
+def test_cross_field_rules_are_the_declarations(capsys):
+    """``min_tokens > max_new_tokens`` is refused in one line from every entry point (new-user pass)."""
+    from serve_helpers import word_tokenizer
+    from specjax.api import decode_settings
+    from specjax.cli import main
+    from specjax.serve import protocol as P
+
+    assert main(["generate", "x", "--min-tokens", "50", "--max-new-tokens", "5"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["specjax: error: --min-tokens must be at most --max-new-tokens (5), got 50"], err
+    with pytest.raises(SettingError, match="min_tokens must be at most max_new_tokens"):
+        decode_settings(min_tokens=50, max_new_tokens=5)
+    d = P.ServeDefaults(model_name="m", context_limit=64, vocab_size=128)
+    with pytest.raises(P.RequestError, match=r"min_tokens must be at most max_tokens \(5\)") as e:
+        P.parse_completion({"model": "m", "prompt": "w5", "max_tokens": 5, "min_tokens": 50}, word_tokenizer(), d)
+    assert e.value.param == "min_tokens"
+    with pytest.raises(P.RequestError, match="needs 'stream': true") as e:  # stream_options without stream
+        P.parse_completion({"model": "m", "prompt": "w5", "stream_options": {"include_usage": True}},
+                           word_tokenizer(), d)
+    assert e.value.param == "stream_options"

@@ -342,7 +342,6 @@ def cmd_analyze(args) -> int:
 def run_models(args) -> dict:
     from specjax.cli.common import chat_default, collect_prompts, load_target_and_drafter, resolve
     from specjax.eval import measure
-    from specjax.runtime.settings import DecodeSettings
 
     s = resolve(args, need_draft="analyze with models needs one drafter: --draft ngram[:N] | PATH_OR_ID "
                                   "(or give numbers only: --alpha A --c C)")
@@ -373,8 +372,7 @@ def run_models(args) -> dict:
     prompts = select_prompts(collect_prompts(args), args.categories, args.limit)
     target, drafter = load_target_and_drafter(s)
     log = (lambda m: print(f"specjax analyze: {m}", file=sys.stderr, flush=True))
-    settings = DecodeSettings(max_new_tokens=s["max_new_tokens"], sampling=s["sampling"], seed=args.seed, batch_size=args.batch_size,
-                              ignore_eos=args.ignore_eos)
+    settings = s["request"]  # the declared request fields and sampling, with --batch-size
     rep = measure.analyze_pair(
         target, drafter, prompts, settings, gamma_max=gmax, gamma=gamma, chat=chat_default(target, s["chat"]),
         parse_special=s["parse_special"], repeats=args.repeats,

@@ -57,7 +57,6 @@ def register_cli(subparsers) -> None:
 def cmd_bench(args) -> int:
     from specjax.api import load_pair_config
     from specjax.cli.common import collect_prompts
-    from specjax.runtime.settings import DecodeSettings
 
     if not args.prompts and not args.prompt:
         raise UsageError("no prompts; pass --prompts FILE (JSONL, e.g. Spec-Bench question.jsonl) or --prompt TEXT")
@@ -101,8 +100,7 @@ def cmd_bench(args) -> int:
         auto = {"model": s["model"], "dtype": "auto", "draft_dtype": "float32"}
         resolve_auto_dtype(auto, None if args.no_progress else Progress(), predict=False)
         dtypes = list(dict.fromkeys(auto["dtype"] if d == "auto" else d for d in dtypes))
-    settings = DecodeSettings(max_new_tokens=s["max_new_tokens"], sampling=s["sampling"], seed=args.seed, batch_size=args.batch_size,
-                              ignore_eos=args.ignore_eos)
+    settings = s["request"]  # the declared request fields and sampling, with --batch-size
     results = run_bench(
         prompts, settings, model=s["model"], drafts=drafts, gammas=gammas, trees=[s["tree"]] if s["tree"] else [],
         dtypes=dtypes, draft_dtype=draft_dtype,

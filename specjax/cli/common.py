@@ -13,6 +13,7 @@ import json
 import os
 
 from specjax.cli.errors import UsageError, Parser, user_errors, describe_error, note  # noqa: F401  (re-exported)
+from specjax.core import env
 from specjax.cli.flags import (  # noqa: F401  (re-exported)
     DTYPES, SHIPPED_PAIR, TREE_FLAGS, cap_gamma, check_settings, check_tree, tree_setting, add_knob_args,
     add_draft_flags, add_dtype_flag, add_mesh_flag, add_model_args, add_model_flag, chat_default, parse_gamma, resolve,
@@ -41,7 +42,7 @@ def enable_compilation_cache(path: str | None = None) -> bool:
 
     import jax
 
-    given = path or os.environ.get("SPECJAX_CACHE")
+    given = path or env.get("SPECJAX_CACHE")
     path = given or os.path.expanduser("~/.cache/specjax/jax")
     probe = os.path.join(path, f".specjax-write-check-{os.getpid()}")
     try:
@@ -128,9 +129,8 @@ def auto_dtype_line(fmt: str, info: dict) -> str:
     fid = info.get("fidelity") or {}
     dropped = "; ".join(describe(f, fid[f]) for f in info.get("unfaithful", []) if fid.get(f))
     dropped = f"; not faithful to this model: {dropped}" if dropped else ""
-    if src.get("predicted"):
-        return (f"--dtype auto chose {fmt} ({src['predicted']}; `specjax bench --dtype auto` measures the "
-                f"formats' fidelity and speed on this host and later runs use the measurement){dropped}")
+    if src.get("predicted"):  # (a rule for this host kind; `specjax bench --dtype auto` measures instead)
+        return f"--dtype auto chose {fmt}: {src['predicted']}{dropped}"
     if src.get("only_faithful"):
         return f"--dtype auto chose {fmt}: the only candidate format faithful to this model{dropped}"
     ms = ", ".join(f"{f} {t:.1f} ms" for f, t in info["step_ms"].items())

@@ -61,12 +61,11 @@ def add_model_args(p: argparse.ArgumentParser, multi_draft: bool = False, mesh: 
     add_dtype_flag(p, auto_dtype)
     p.add_argument("--draft-dtype", default=None, choices=list(DTYPES),
                    help="drafter weight format (default: the target's)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="new tokens per prompt (default 128)")
     p.add_argument("--max-model-len", type=int, default=None, metavar="N",
                    help="cap the target's context at N tokens, prompt + new (default: the model's maximum): "
                         "buffers, KV caches and prompt limits are sized for N")
     add_knob_args(p, sampling_class())
-    p.add_argument("--seed", type=int, default=0, help="request seed, an integer in [0, 2**64) (prompt i uses fold_in(key(seed), i); default 0)")
+    add_knob_args(p, request_class(), command=p.prog.split()[-1])  # --max-new-tokens, --seed, --ignore-eos, ...
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="wrap prompts in the model's chat template (generate: on when the model has one; "
                         "--no-chat sends raw text)")
@@ -74,7 +73,6 @@ def add_model_args(p: argparse.ArgumentParser, multi_draft: bool = False, mesh: 
                    help="tokenize prompt text as plain text: a typed <|im_start|> etc. does not become a control "
                         "token (with --chat only the template's own special tokens do). Default: parsed")
     p.add_argument("--batch-size", type=int, default=1, help="prompts decoded together")
-    p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS (fixed-length benchmarks)")
     if mesh:
         add_mesh_flag(p)
 
@@ -87,16 +85,58 @@ def sampling_class():
     return sampling.Sampling
 
 
-def add_knob_args(p: argparse.ArgumentParser, cls) -> None:
-    """One flag ``--name-with-dashes`` per declared field of a settings class that is a flag
-    (:func:`specjax.core.settings.knob`): its type, its help with the default; ``None`` when not
-    given (so a pair config's value applies)."""
+def request_class():
+    """THE declaration of a request's fields (:class:`specjax.runtime.request.Request`), looked up
+    when used: flags, config keys and checks all follow it."""
+    from specjax.runtime.request import request_class as declared
+
+    return declared()
+
+
+def add_knob_args(p: argparse.ArgumentParser, cls, command: str | None = None) -> None:
+    """One flag ``--name-with-dashes`` per declared field of a settings class that is a flag of
+    ``command`` (:func:`specjax.core.settings.knob`): its type (a switch for a bool, repeatable for
+    a tuple), its help with the default; ``None`` when not given (so a pair config's value applies)."""
     from specjax.core.settings import knobs
 
     for name, k, default in knobs(cls):
-        if k.flag:
-            p.add_argument("--" + name.replace("_", "-"), type=k.kind, default=None,
-                           help=f"{k.help} (default {default})")
+        if not k.flag_for(command):
+            continue
+        flag = "--" + name.replace("_", "-")
+        if k.kind is bool:
+            p.add_argument(flag, action="store_true", default=None, help=k.help)
+        elif k.kind is tuple:
+            p.add_argument(flag, action="append", default=None, metavar=k.metavar, help=k.help)
+        else:
+            shown = "" if default is None else f" (default {default})"
+            p.add_argument(flag, type=k.kind, default=None, metavar=k.metavar, help=f"{k.help}{shown}")
+
+
+def unescape(text: str) -> str:
+    """``\\n``, ``\\t`` and ``\\\\`` typed on a command line as newline, tab and backslash (``--stop "\\n\\n"``)."""
+    return re.sub(r"\\(n|t|\\)", lambda m: {"n": "\n", "t": "\t", "\\": "\\"}[m.group(1)], text)
+
+
+def flag_words(message: str, names) -> str:
+    """A settings error's field names (``max_new_tokens``) as the flags a user types (``--max-new-tokens``)."""
+    for n in sorted(names, key=len, reverse=True):
+        message = re.sub(rf"(?<![\w-]){n}(?![\w])", "--" + n.replace("_", "-"), message)
+    return message
+
+
+def request_of(s: dict, batch_size: int | None = 1):
+    """The :class:`~specjax.runtime.settings.DecodeSettings` (a declared request with a batch size) of
+    resolved settings ``s``: every declared request field (:func:`request_class`) and the sampling.
+
+    Raises UsageError ``--flag must be …`` for a value out of its declared range (or a cross-field rule)."""
+    from specjax.core.settings import SettingError, knobs
+    from specjax.runtime.settings import DecodeSettings
+
+    names = [n for n, _, _ in knobs(request_class())]
+    try:
+        return DecodeSettings(batch_size=batch_size, sampling=s["sampling"], **{n: s[n] for n in names if n in s})
+    except SettingError as e:
+        raise UsageError(flag_words(str(e), names + [n for n, _, _ in knobs(sampling_class())])) from None
 
 
 def sampling_of(s: dict):
@@ -198,6 +238,10 @@ def resolve(args, default_draft=None, need_draft: str | None = None, tree_with_g
 
     for name, _, default in knobs(sampling_class()):  # every declared sampling field
         s[name] = pick(name, default)
+    for name, k, default in knobs(request_class()):  # every declared request field
+        s[name] = pick(name, default)
+        if k.kind is tuple and getattr(args, name, None) is not None:  # a repeated flag: typed escapes
+            s[name] = [unescape(x) if isinstance(x, str) else x for x in s[name]]
     if s["draft_dtype"] is not None and getattr(args, "draft_dtype", None) is not None \
             and s["draft"] in (None, "none", [], ["none"]) and not default_draft:
         note(f"--draft-dtype {s['draft_dtype']} has no effect without a drafter (add --draft default, ngram or a path)")
@@ -209,7 +253,7 @@ def resolve(args, default_draft=None, need_draft: str | None = None, tree_with_g
     if need_draft and s["draft"] in (None, "none", [], ["none"]):
         raise UsageError(need_draft)
     s["tree"] = tree_setting(args, cfg)
-    if s["gamma"] is None and s["tree"] is None and s["draft"] in ("default", ["default"]):
+    if s["gamma"] is None and s["tree"] is None and _is_default_drafter(s["draft"]):
         s.update(shipped_pair_method())  # the shipped pair's γ or tree, with or without --config
     if s["tree"] is not None and not draft_given:  # not bench's default n-gram, silently
         where = f"config {args.config}: tree keys need a drafter; add draft = \"default\" (or \"ngram\")" \
@@ -226,6 +270,14 @@ def resolve(args, default_draft=None, need_draft: str | None = None, tree_with_g
             raise UsageError(f"config {args.config}: {key} {m.group(2)}") from None
         raise
     return s
+
+
+def _is_default_drafter(draft) -> bool:
+    """Whether ``--draft`` names the shipped default drafter alone (the registry's ``default`` kind)."""
+    from specjax.drafters import registry
+
+    drafts = draft if isinstance(draft, (list, tuple)) else [draft]
+    return len(drafts) == 1 and registry.find_kind(drafts[0]) is registry.KINDS["default"]
 
 
 def check_tree(args, s: dict, tree_with_gamma: bool) -> None:
@@ -255,24 +307,13 @@ def check_tree(args, s: dict, tree_with_gamma: bool) -> None:
 def check_settings(args, s: dict) -> None:
     from specjax.api import check_draft_spec
 
-    if s["max_new_tokens"] < 1:
-        raise UsageError(f"--max-new-tokens must be >= 1, got {s['max_new_tokens']}")
-    from specjax.core.drafting import MAX_NEW_TOKENS
-
-    if s["max_new_tokens"] > MAX_NEW_TOKENS:
-        raise UsageError(f"--max-new-tokens must be at most {MAX_NEW_TOKENS} (the model's context caps it far "
-                         f"below), got {s['max_new_tokens']}")
     if s.get("max_model_len") is not None and s["max_model_len"] < 2:
         raise UsageError(f"--max-model-len must be an integer >= 2 (a prompt token and a new one), "
                          f"got {s['max_model_len']}")
     s["sampling"] = sampling_of(s)
     if getattr(args, "batch_size", 1) < 1:
         raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
-    from specjax.runtime.decoder import SEED_LIMIT
-
-    seed = getattr(args, "seed", 0)
-    if not 0 <= seed < SEED_LIMIT:
-        raise UsageError(f"--seed must be an integer in [0, 2**64), got {seed}")
+    s["request"] = request_of(s, getattr(args, "batch_size", 1))  # the declared ranges and cross-field rules
     drafts = s["draft"] if isinstance(s["draft"], (list, tuple)) else [s["draft"]]
     for d in drafts:
         check_draft_spec(d)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 
@@ -11,12 +10,9 @@ from specjax.cli.common import (
     UsageError, add_model_args, check_logprobs, collect_prompts, load_target_and_drafter, note, note_prompt_caps,
     chat_default, parse_gamma, peek_vocab_size, resolve, resolve_auto_dtype,
 )
+from specjax.cli.flags import unescape  # noqa: F401  (re-exported: it was defined here)
+from specjax.core import env
 from specjax.runtime import programs
-
-
-def unescape(text: str) -> str:
-    """``\\n``, ``\\t`` and ``\\\\`` typed on a command line as newline, tab and backslash (``--stop "\\n\\n"``)."""
-    return re.sub(r"\\(n|t|\\)", lambda m: {"n": "\n", "t": "\t", "\\": "\\"}[m.group(1)], text)
 
 
 def read_stdin_prompt() -> str:
@@ -50,21 +46,19 @@ def cmd_generate(args) -> int:
     prompts = generate_prompts(args)
     gamma = parse_gamma(s["gamma"])
     # before the model loads: the vocabulary size from the GGUF metadata or config.json (a hub id: after the load)
-    check_logprobs(args.logprobs, None if args.logprobs is None else peek_vocab_size(s["model"]))
+    req = s["request"]  # the declared request (runtime.request.Request) with the batch size
+    check_logprobs(req.logprobs, None if req.logprobs is None else peek_vocab_size(s["model"]))
     bias = dict(s["sampling"].logit_bias)
     vocab = peek_vocab_size(s["model"]) if bias else None
     if vocab is not None and max(bias) >= vocab:
         raise UsageError(f"logit_bias names token id {max(bias)}, outside the vocabulary [0, {vocab}); use ids "
                          f"below {vocab}")
-    args.stop = [unescape(x) for x in args.stop or []]
-    if any(not x for x in args.stop):
-        raise UsageError("--stop needs a non-empty string")
     mesh = None
     if args.mesh:
         from specjax.runtime import sharding
 
         mesh = sharding.MeshSpec.parse(args.mesh)
-    progress = None if os.environ.get("SPECJAX_NO_PROGRESS") else Progress()
+    progress = None if env.get("SPECJAX_NO_PROGRESS") else Progress()
     tree = s["tree"]
     from specjax.models import cpu_attention
 
@@ -76,8 +70,8 @@ def cmd_generate(args) -> int:
     tag = program_tag(s, args)
     if tag is not None:  # the programs the last run with these settings used: compiled while the weights load
         programs.prefetch(tag)
-    target, drafter = _load_for_generate(s, gamma, mesh, progress)
-    check_logprobs(args.logprobs, target.config.vocab_size)
+    target, drafter = load_for_generate(s, gamma, mesh, progress)
+    check_logprobs(req.logprobs, target.config.vocab_size)
     chat = chat_default(target, s["chat"])
     if template_kwargs is not None and not chat:
         raise UsageError("--chat-template-kwargs needs the chat template, and this model's tokenizer has none; "
@@ -105,8 +99,7 @@ def cmd_generate(args) -> int:
         target, [p["prompt"] for p in prompts], drafter=drafter, gamma=gamma,
         **({} if tree is None or drafter is None else
            dict(tree_nodes=tree.nodes, tree_depth=tree.depth, tree_topk=tree.topk)),
-        max_new_tokens=s["max_new_tokens"], sampling=s["sampling"], seed=args.seed, chat=chat, batch_size=args.batch_size, ignore_eos=args.ignore_eos,
-        stop=args.stop, logprobs=args.logprobs, on_text=on_text if stream else None, on_done=on_done,
+        request=req, chat=chat, on_text=on_text if stream else None, on_done=on_done,
         progress=progress, parse_special=s["parse_special"], chat_template_kwargs=template_kwargs,
     )
     if tag is not None:
@@ -120,14 +113,14 @@ def program_tag(s: dict, args) -> str | None:
     (:func:`specjax.runtime.programs.prefetch`); None when a setting has no stable text."""
     import hashlib
 
-    text = repr(("generate", sorted((k, repr(v)) for k, v in s.items()), args.batch_size, args.logprobs,
-                 args.mesh, args.ignore_eos, len(args.stop or [])))
+    text = repr(("generate", sorted((k, repr(v)) for k, v in s.items() if k not in ("request", "stop", "seed")),
+                 args.batch_size, args.mesh, len(s.get("stop") or [])))
     if re.search(r"0x[0-9a-fA-F]{6,}", text):
         return None
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def _load_for_generate(s: dict, gamma, mesh, progress):
+def load_for_generate(s: dict, gamma, mesh, progress):
     """``generate``'s target and drafter, loaded in one progress phase that names them (``--dtype
     auto`` resolved first, timing the target's step as this run calls it); ``(target, drafter)``."""
     from specjax.io.loading import check_source, conversion_cached, recording_loads
@@ -223,7 +216,8 @@ def auto_gamma(target, drafter, prompts, s: dict, args, chat: bool, progress) ->
     texts = [p["prompt"] for p in prompts[: measure.AUTO_PROMPTS]]
     recs = [{"ids": ids} for ids in encode_prompts(target, texts, chat, s["parse_special"],
                                                     s.get("chat_template_kwargs"))]
-    settings = DecodeSettings(max_new_tokens=s["max_new_tokens"], sampling=s["sampling"], seed=args.seed, ignore_eos=args.ignore_eos)
+    settings = DecodeSettings(max_new_tokens=s["max_new_tokens"], sampling=s["sampling"], seed=s["seed"],
+                              ignore_eos=s["ignore_eos"])
     batch = max(1, min(int(args.batch_size), len(prompts)))  # rows decoded together: costs are timed at it
     gamma, rep = measure.recommend(target, drafter, recs, settings, cache=hostcache.default_cache(),
                                    progress=progress, batch=batch)
@@ -254,12 +248,7 @@ def register_cli(subparsers) -> None:
     g.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout (printed at the end)")
     g.add_argument("--no-stream", action="store_true",
                    help="print each text at the end instead of streaming it as it is generated")
-    g.add_argument("--stop", action="append", metavar="STR",
-                   help="stop when the text contains STR (cut before it; repeatable; \\n and \\t are newline and "
-                        "tab); finish_reason 'stop'")
     g.add_argument("--chat-template-kwargs", metavar="JSON", default=None,
                    help="extra chat-template variables as a JSON object, e.g. '{\"enable_thinking\": false}' "
                         "(Qwen3: no thinking block); needs the chat template")
-    g.add_argument("--logprobs", type=int, default=None, metavar="N",
-                   help="log-probability of every emitted token and its top-N alternatives (JSON field 'logprobs')")
     g.set_defaults(func=cmd_generate)

@@ -4,12 +4,12 @@ continuous-batching engine, with ``generate``'s model, drafter, format and mesh 
 from __future__ import annotations
 
 import argparse
-import os
 import socket
 import sys
 import time
 
 from specjax.cli.common import UsageError, add_model_args, note, parse_gamma, resolve
+from specjax.core import env
 from specjax.runtime.spec_policy import SPECULATION
 
 EXTRA_MISSING = ('specjax serve needs the serve extra: pip install -e ".[serve]" in a source checkout, or '
@@ -42,12 +42,15 @@ def _check_flags(args) -> None:
         raise UsageError(f"--rounds-per-chunk must be >= 1, got {args.rounds_per_chunk}")
     if not args.shutdown_timeout > 0:
         raise UsageError(f"--shutdown-timeout must be > 0 seconds, got {args.shutdown_timeout}")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise UsageError("--served-model-name is empty; give the id clients send as 'model' (or drop the flag: "
+                         "the model's own name)")
     if args.api_key is not None and not args.api_key.strip():
         raise UsageError("--api-key is empty; give a key or drop --api-key")
     if args.batch_size != 1:
         raise UsageError(f"--batch-size is generate's; serve decodes up to --max-batch requests together (use "
                          f"--max-batch {args.batch_size})")
-    if args.seed != 0:
+    if args.seed not in (None, 0):
         raise UsageError("--seed is generate's; serve takes a seed per request (the 'seed' field; without one a "
                          "random seed is drawn and returned)")
     if args.chat is not None:
@@ -76,7 +79,7 @@ def _check_port_free(host: str, port: int) -> None:
 def cmd_serve(args) -> int:
     if not serve_extra_installed():
         raise UsageError(EXTRA_MISSING)
-    from specjax.cli.generate import _load_for_generate
+    from specjax.cli.generate import load_for_generate
     from specjax.runtime.progress import Progress
 
     _check_flags(args)
@@ -94,9 +97,9 @@ def cmd_serve(args) -> int:
             raise UsageError(f"--max-batch {args.max_batch} must be a multiple of the mesh's data axis ({mesh.data}): "
                              f"requests are split over it; use --max-batch {args.max_batch + (-args.max_batch % mesh.data)}")
     _check_port_free(args.host, args.port)
-    progress = None if os.environ.get("SPECJAX_NO_PROGRESS") else Progress()
+    progress = None if env.get("SPECJAX_NO_PROGRESS") else Progress()
     t0 = time.perf_counter()
-    target, drafter = _load_for_generate(s, gamma, mesh, progress)
+    target, drafter = load_for_generate(s, gamma, mesh, progress)
     if target.tokenizer is None:
         raise UsageError(f"{target.name} has no tokenizer; specjax serve needs one (a checkpoint with tokenizer.json "
                          "or a GGUF file)")
@@ -106,9 +109,9 @@ def cmd_serve(args) -> int:
     from specjax.serve.protocol import ServeDefaults
 
     name = served_name(args.served_model_name, s["model"], target)
+    # the requests' defaults: the flags' and the pair config's request (no seed: each request draws its own)
     defaults = ServeDefaults(model_name=name, context_limit=int(engine.context_limit),
-                             vocab_size=int(target.config.vocab_size), max_new_tokens=int(s["max_new_tokens"]),
-                             sampling=s["sampling"], ignore_eos=bool(args.ignore_eos),
+                             vocab_size=int(target.config.vocab_size), request=s["request"].request.replace(seed=None),
                              parse_special=bool(s["parse_special"]), max_logprobs=MAX_LOGPROBS,
                              chat=bool(target.tokenizer.chat_template))
     app = create_app(engine, target.tokenizer, defaults, api_key=args.api_key, max_queue=args.max_queue,
@@ -132,7 +135,7 @@ DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"  # the embedded default model, as 
 def served_name(given: str | None, model: str | None, target) -> str:
     """The model id of ``/v1/models``: ``--served-model-name``, else ``SmolLM2-135M-Instruct`` for the
     embedded default model, else the target's name without a ``.gguf`` suffix."""
-    if given:
+    if given is not None:
         return given
     if model in (None, "default"):
         return DEFAULT_SERVED_NAME
@@ -175,7 +178,7 @@ def register_cli(subparsers) -> None:
                    help="requests decoded together: the engine's slots (default 8)")
     p.add_argument("--max-queue", type=int, default=64, metavar="Q",
                    help="requests that may wait for a slot; more get HTTP 429 with Retry-After (default 64)")
-    p.add_argument("--api-key", default=os.environ.get("SPECJAX_API_KEY"), metavar="KEY",
+    p.add_argument("--api-key", default=env.get("SPECJAX_API_KEY"), metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on /v1 and /tokenize (default $SPECJAX_API_KEY; "
                         "none: open)")
     p.add_argument("--served-model-name", default=None, metavar="NAME",

@@ -41,16 +41,31 @@ class Knob:
     check: Callable[[Any], bool]
     expect: str
     help: str
-    flag: bool = True
+    flag: bool | tuple = True
     device: bool = True
     dtype: str = "float32"
+    optional: bool = False
+    http: str | None = None
+    config: bool = True
+    metavar: str | None = None
+
+    def flag_for(self, command: str | None) -> bool:
+        """Whether the field is a flag of ``command`` (``flag``: ``True`` for every decoding command,
+        a tuple of command names, or ``False``)."""
+        return self.flag is True or (isinstance(self.flag, tuple) and (command is None or command in self.flag))
 
 
-def knob(default, *, kind: type, check: Callable[[Any], bool], expect: str, help: str, flag: bool = True,
-         device: bool = True) -> Any:
-    """A dataclass field carrying its :class:`Knob` (use as ``name: T = knob(...)``)."""
+def knob(default, *, kind: type, check: Callable[[Any], bool], expect: str, help: str, flag: bool | tuple = True,
+         device: bool = True, optional: bool = False, http: str | None = None, config: bool = True,
+         metavar: str | None = None) -> Any:
+    """A dataclass field carrying its :class:`Knob` (use as ``name: T = knob(...)``).
+
+    optional: ``None`` is a valid value (off / not given). http: the field's name in an HTTP
+    request body when it differs (``max_new_tokens`` is OpenAI's ``max_tokens``); config: a
+    pair-config key; metavar: the flag's placeholder."""
     dtype = "int32" if kind is int else "float32"
-    return dataclasses.field(default=default, metadata={"knob": Knob(kind, check, expect, help, flag, device, dtype)})
+    return dataclasses.field(default=default, metadata={"knob": Knob(kind, check, expect, help, flag, device, dtype,
+                                                                     optional, http, config, metavar)})
 
 
 def knobs(cls) -> list[tuple[str, Knob, Any]]:
@@ -83,6 +98,8 @@ def validate(obj) -> None:
     ``"NAME must be EXPECT, got VALUE"`` for the first field out of range."""
     for name, k, _ in knobs(type(obj)):
         v = getattr(obj, name)
+        if v is None and k.optional:
+            continue
         if not (of_kind(k.kind, v) and k.check(v)):
             raise SettingError(name, f"{name} must be {k.expect}, got {v!r}")
 

@@ -175,14 +175,11 @@ def recommend_gamma(target, drafter, prompt_texts: Sequence[str], chat: bool = F
 # GPU/TPU the default model runs bfloat16 (weights and KV cache): the accelerators' native format,
 # measured faithful (KL 0.00029 nats, top-1 100%), half of float32's bytes per step.
 PREDICTED_FORMATS = (
-    ("cpu", "int8", "int8 keeps the model file's own 4- and 8-bit blocks exactly, was measured faithful to this "
-                    "model (KL 8e-5 nats, top-1 100%) and is the fastest format with its x86 kernel"),
-    ("cpu", "float32", "float32 is faithful by construction, and no faster format has been measured faithful on this "
-                       "host"),
-    ("gpu", "bfloat16", "bfloat16 (weights and KV cache) is the accelerator's native format and was measured faithful "
-                        "to this model (KL 0.0003 nats, top-1 100%)"),
-    ("tpu", "bfloat16", "bfloat16 (weights and KV cache) is the accelerator's native format and was measured faithful "
-                        "to this model (KL 0.0003 nats, top-1 100%)"),
+    ("cpu", "int8", "the model file's own 4- and 8-bit blocks, measured faithful: KL 8e-5, top-1 100%; the fastest "
+                    "on x86"),
+    ("cpu", "float32", "faithful by construction; no faster format measured faithful on this host"),
+    ("gpu", "bfloat16", "the accelerator's native format, measured faithful: KL 3e-4, top-1 100%"),
+    ("tpu", "bfloat16", "the accelerator's native format, measured faithful: KL 3e-4, top-1 100%"),
 )
 
 
@@ -203,7 +200,7 @@ def predicted_format(formats: Sequence[str], model=None, host: dict | None = Non
             continue
         if fmt == "int8" and not (str(host.get("machine", "")).lower() in ("x86_64", "amd64") and q8.expected()):
             continue  # int8's speed is its CPU kernel's (the jnp reference is ~20x slower than float32)
-        return fmt, f"predicted: {why}"
+        return fmt, why
     return None
 
 
@@ -243,12 +240,7 @@ def fastest_format(model, *, formats: Sequence[str] = llama.WEIGHT_FORMATS, toke
     from specjax.eval import fidelity
     from specjax.io.loading import convert_model, load_model
 
-    formats = list(dict.fromkeys(llama.weight_format(f) for f in formats))
-    if not formats:
-        raise ValueError("formats must name at least one weight format")
-    if isinstance(tokens, bool) or int(tokens) != tokens or tokens < 1:
-        raise ValueError(f"tokens must be an integer >= 1, got {tokens!r}")
-    tokens = int(tokens)
+    formats, tokens = _checked_request(formats, tokens)
     loaded = not (model is None or isinstance(model, str))
     ident = fidelity.identity(model)
     box = {}
@@ -279,12 +271,8 @@ def fastest_format(model, *, formats: Sequence[str] = llama.WEIGHT_FORMATS, toke
     formats, all_formats = faithful, formats
     if len(faithful) == 1:  # nothing to race
         return _only_faithful(model, loaded, box, in_format, faithful[0], all_formats, fid, tokens)
-    value, src = cached_or_measured(
-        cache, "format", parts, measure, progress,
-        ("" if loaded or "float32" in box else
-         f"loading {'the default model' if model in (None, 'default') else model} in float32, then ")
-        + f"measuring its decode step ({tokens} token{'s' if tokens > 1 else ''} per call) in {', '.join(formats)} "
-        "for --dtype auto")
+    value, src = cached_or_measured(cache, "format", parts, measure, progress,
+                                    _measuring_words(model, loaded or "float32" in box, tokens, formats))
     step = {f: float(value["step_ms"][f]) for f in formats}  # in the order asked (JSON sorts the keys)
     best = min(formats, key=lambda f: (step[f], formats.index(f)))
     chosen = box.get(best)
@@ -292,6 +280,29 @@ def fastest_format(model, *, formats: Sequence[str] = llama.WEIGHT_FORMATS, toke
         chosen = convert_model(model, best)
     unfaithful = [f for f in all_formats if f not in faithful]
     return best, {"step_ms": step, "tokens": tokens, "source": src, "fidelity": fid, "unfaithful": unfaithful}, chosen
+
+
+def _checked_request(formats: Sequence[str], tokens) -> tuple[list[str], int]:
+    """:func:`fastest_format`'s candidates (canonical names, in order, each once) and ``tokens``.
+
+    Raises:
+      ValueError: an unknown or empty list of formats, ``tokens`` not an integer >= 1.
+    """
+    formats = list(dict.fromkeys(llama.weight_format(f) for f in formats))
+    if not formats:
+        raise ValueError("formats must name at least one weight format")
+    if isinstance(tokens, bool) or int(tokens) != tokens or tokens < 1:
+        raise ValueError(f"tokens must be an integer >= 1, got {tokens!r}")
+    return formats, int(tokens)
+
+
+def _measuring_words(model, in_memory: bool, tokens: int, formats: list[str]) -> str:
+    """The progress line of :func:`fastest_format`'s measurement (``in_memory``: the float32 model
+    is at hand, nothing is loaded first)."""
+    return (("" if in_memory else
+             f"loading {'the default model' if model in (None, 'default') else model} in float32, then ")
+            + f"measuring its decode step ({tokens} token{'s' if tokens > 1 else ''} per call) in {', '.join(formats)} "
+            "for --dtype auto")
 
 
 def _speed_parts(ident: dict, fmts: list[str], tokens: int, repeats: int) -> dict:

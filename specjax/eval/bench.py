@@ -49,7 +49,10 @@ from specjax.eval.bench_io import (  # noqa: F401  (re-exported: bench is the pu
 from specjax.eval.bench_summary import (  # noqa: F401  (re-exported, shared with benchmarks/)
     SUMMARY_FIELDS, MethodSpec, aggregate, baselines, method_name, summarize,
 )
+from specjax.drafters import registry
+from specjax.runtime.request import as_json as request_json
 from specjax.runtime.settings import DecodeSettings
+from specjax.runtime.stats import tokens_per_second
 
 BANDWIDTH_FORMULA = (
     "bandwidth_gb_s = sum over batches of (batch_target_calls * target_weight_bytes + "
@@ -66,10 +69,9 @@ TIMING_NOTE = (
 
 # --------------------------------------------------------------------------- the run
 def _drafter_label(spec: str, drafter) -> str:
-    if spec == "ngram" or spec.startswith("ngram:"):
-        return drafter.name
-    if spec == "default":
-        return "default"
+    kind = registry.find_kind(spec)
+    if kind is not None and kind.name in ("ngram", "default"):  # the n-gram's name says its N
+        return drafter.name if kind.name == "ngram" else "default"
     return os.path.basename(os.path.normpath(os.path.expanduser(spec))) or spec
 
 
@@ -79,7 +81,7 @@ def _load_drafter(spec: str, target, dtype: str):
     try:
         return load_drafter(spec, target, dtype=dtype)
     except ImportError as e:
-        if spec == "default":
+        if registry.find_kind(spec) is registry.KINDS["default"]:
             raise ValueError(f"--draft default: no trained drafter is available in this install ({e}); "
                          "train one with `specjax distill` or pass a drafter path") from None
         raise
@@ -140,7 +142,7 @@ def run_bench(
     dtypes = list(dict.fromkeys(dtypes))
     started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     t_all = time.perf_counter()
-    run = _Run(prompts, settings, make_batches(prompts, settings.batch_size or len(prompts)))
+    run = BenchRun(prompts, settings, make_batches(prompts, settings.batch_size or len(prompts)))
     run.parse_special = parse_special
     run.max_model_len = max_model_len
     # disable=None: tqdm shows the bar only when stderr is a terminal (no \r lines in logs)
@@ -161,14 +163,14 @@ def run_bench(
             for r in b["rows"]:
                 r.pop("tokens", None)
     base = baselines(run.specs, len(dtypes) > 1)
-    config = _bench_config(prompts, settings, run, base, started=started, total_s=time.perf_counter() - t_all,
+    config = bench_config(prompts, settings, run, base, started=started, total_s=time.perf_counter() - t_all,
                            model=model, drafts=drafts, gammas=gammas, trees=trees, dtypes=dtypes,
                            draft_dtype=draft_dtype,
                            chat=chat, warmup=warmup)
     return {"config": config, "methods": summarize(run.specs, run.records, base), "prompts": run.prompt_records}
 
 
-class _Run:
+class BenchRun:
     """The state of one :func:`run_bench`: methods, batch records and per-prompt records."""
 
     parse_special: bool = True  # how the prompt texts are tokenized (api.encode_prompts)
@@ -281,13 +283,13 @@ class _Run:
                     "method": s.name, "question_id": row["question_id"], "category": row["category"],
                     "batch": bi, "batch_size": len(idx), "prompt_tokens": len(ids[idx[j]]),
                     "new_tokens": row["new_tokens"], "decode_s": res.decode_s, "prefill_s": res.prefill_s,
-                    "tokens_per_s": row["new_tokens"] / res.decode_s if res.decode_s > 0 else None,
+                    "tokens_per_s": tokens_per_second(row["new_tokens"], res.decode_s),
                     "same_as_ar": same, "stats": row["stats"],
                 })
             bar.update(1)
 
 
-def _bench_config(prompts, settings: DecodeSettings, run: _Run, base: dict, **kw) -> dict:
+def bench_config(prompts, settings: DecodeSettings, run: BenchRun, base: dict, **kw) -> dict:
     """The ``config`` section of :func:`run_bench`'s results."""
     mismatches = sum(1 for r in run.prompt_records if r["same_as_ar"] is False)
     cats: dict[str, int] = {}
@@ -310,12 +312,10 @@ def _bench_config(prompts, settings: DecodeSettings, run: _Run, base: dict, **kw
         "top_k": settings.top_k,
         "top_p": settings.top_p,
         "sampling": as_dict(settings.sampling),  # every declared sampling field
-        "seed": settings.seed,
+        **request_json(settings.request),  # every declared request field (seed, max_new_tokens, ignore_eos, ...)
         "batch_size": settings.batch_size,
-        "max_new_tokens": settings.max_new_tokens,
         "chat": run.chat if kw["chat"] is None else kw["chat"],
         "parse_special": run.parse_special,
-        "ignore_eos": settings.ignore_eos,
         "warmup": kw["warmup"],
         "num_prompts": len(prompts),
         "prompts_per_category": cats,

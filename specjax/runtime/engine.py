@@ -34,7 +34,6 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -42,9 +41,14 @@ import numpy as np
 
 from specjax.core.sampling import Sampling, SamplingParams
 from specjax.models.llama import KVCache
+from specjax.runtime.engine_rows import (  # noqa: F401  (re-exported: the row operations were defined here)
+    end_jit, end_rows, head_jit, head_rows, insert_jit, insert_row, move_jit, move_rows, put_head_jit, put_head_rows,
+    row_jit, row_ladder, row_logprobs, row_stats, set_speculate, speculate_jit, zero_jit,
+)
 from specjax.runtime.decoder import SEED_LIMIT, Decoder, attention_views, prompt_bucket, request_keys, view_for
 from specjax.runtime.prefill import PREFILL_CHUNK, prefill_jit, prefill_program, prompt_piece_jit, size_for_gamma
-from specjax.runtime.results import RowStats, host_result
+from specjax.runtime.request import Request, request_class
+from specjax.runtime.results import RowStats
 from specjax.runtime.spec_policy import SPECULATION, AutoSpeculation
 
 _PINNED = object()  # a chunk whose rows cannot switch method (a sampled request runs)
@@ -57,29 +61,19 @@ ADMIT_TOKENS = 64
 ADMIT_PIECES_MAX = 8
 
 
-@dataclasses.dataclass(frozen=True)
-class EngineRequest:
-    """One request to an :class:`Engine`.
+def EngineRequest(prompt: Sequence[int], **fields) -> Request:  # noqa: N802  (the older class name)
+    """A :class:`~specjax.runtime.request.Request` for an :class:`Engine` (its older name): the prompt's
+    token ids (≥ 1, fewer than the engine's ``context_limit``) and the declared request fields as
+    keywords (``max_new_tokens`` — capped to ``context_limit − len(prompt)`` —, ``sampling``, ``seed``,
+    ``stop_token_ids``, ``logprobs`` up to the engine's ``max_logprobs``, ``ignore_eos``, ``speculative``:
+    ``False`` offers the row no drafts, one target token per round drawn from p like a plain step).
+    Unlike the declaration's default, ``seed`` defaults to ``None``: the engine draws one (reported in
+    :class:`Update`).
 
-    prompt: token ids (≥ 1, fewer than the engine's ``context_limit``).
-    max_new_tokens: ≥ 1, capped to ``context_limit − len(prompt)``.
-    sampling: a :class:`~specjax.core.sampling.Sampling` (default greedy).
-    seed: integer in ``[0, 2**64)``; ``None`` draws a random one (reported in :class:`Update`).
-    stop_token_ids: more ids that end the request (``finish_reason`` ``"stop"``).
-    logprobs: ``None``, or the top alternatives recorded per token (0 .. the engine's ``max_logprobs``).
-    ignore_eos: decode exactly ``max_new_tokens``.
-    speculative: ``False``: the row is offered no drafts (one target token per round, drawn
-      from p like a plain step; the same distribution, a different use of the key).
-    """
-
-    prompt: Sequence[int]
-    max_new_tokens: int = 128
-    sampling: Sampling = dataclasses.field(default_factory=Sampling)
-    seed: int | None = None
-    stop_token_ids: Sequence[int] = ()
-    logprobs: int | None = None
-    ignore_eos: bool = False
-    speculative: bool = True
+    Raises:
+      SettingError: a field out of its declared range."""
+    fields.setdefault("seed", None)
+    return request_class()(prompt=prompt, **fields)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +100,7 @@ class Update:
 @dataclasses.dataclass
 class _Running:
     rid: int
-    req: EngineRequest
+    req: Request
     seed: int
     plen: int
     reported: int  # committed length already returned
@@ -118,93 +112,12 @@ class _Admitting:
     piece per step, into its own one-row cache before it joins a slot (the lowest free one then:
     nothing else is admitted meanwhile, so one is free)."""
     rid: int
-    req: EngineRequest
+    req: Request
     seed: int
     prompt: jax.Array  # [1, P] padded prompt
     cache: KVCache
     hidden: jax.Array  # [1, P, F]
     done: int = 0  # prompt-bucket tokens prefilled so far
-
-
-def insert_row(state, row, slot, speculate):
-    """``state`` with batch row ``slot`` replaced by the one-row state ``row`` (every per-row
-    leaf; the scalar ``round`` stays the batch's), ``first_round[slot]`` = the batch's round and
-    ``speculate[slot]`` = ``speculate`` (a bool scalar)."""
-    def put(big, small):
-        if jnp.ndim(big) == 0:
-            return big
-        return jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), slot, axis=0)
-
-    out = jax.tree_util.tree_map(put, state, row)
-    return dataclasses.replace(out, first_round=out.first_round.at[slot].set(state.round),
-                               speculate=out.speculate.at[slot].set(speculate))
-
-
-def end_rows(state, mask):
-    """``state`` with the rows of ``mask [B]`` (bool) done."""
-    return dataclasses.replace(state, done=state.done | mask)
-
-
-def set_speculate(state, speculate):
-    """``state`` with ``speculate [B]`` (bool) as its rows' speculation switches."""
-    return dataclasses.replace(state, speculate=speculate)
-
-
-def move_rows(state, src, dst, count):
-    """``state`` with row ``src[i]`` copied into row ``dst[i]`` for ``i < count`` and those source
-    rows marked done (``src``, ``dst [K]`` int32, ``count`` an int32 scalar ≤ K; every ``src[i]``
-    distinct from every ``dst[j]``); the scalar ``round`` stays. The engine's compaction: a running
-    request moves into a free slot, its tokens unchanged (``keys`` and ``first_round`` move with it).
-    Each move rewrites one row in place (the state is donated), where a permutation of the rows
-    (``jnp.take``) rewrites every row: measured at 8 slots × 2,048 tokens, int8 target, 0.25–0.41 s per permutation
-    (BENCHMARKS.md, turn 24)."""
-    src, dst = jnp.asarray(src), jnp.asarray(dst)
-
-    def move(i, st):
-        def one(x):
-            if jnp.ndim(x) == 0:
-                return x
-            return jax.lax.dynamic_update_slice_in_dim(x, jax.lax.dynamic_slice_in_dim(x, src[i], 1, axis=0),
-                                                       dst[i], axis=0)
-        return jax.tree_util.tree_map(one, st)
-
-    out = jax.lax.fori_loop(0, count, move, state)
-    moved = jnp.zeros_like(out.done).at[src].max(jnp.arange(src.shape[0]) < count)
-    return dataclasses.replace(out, done=out.done | moved)
-
-
-def head_rows(state, rows: int):
-    """The first ``rows`` rows of ``state`` (a state of ``rows`` rows; scalars kept)."""
-    return jax.tree_util.tree_map(lambda x: x if jnp.ndim(x) == 0 else x[:rows], state)
-
-
-def put_head_rows(state, head):
-    """``state`` with its first rows replaced by ``head`` (a state of fewer rows) and its scalars
-    (``round``) taken from ``head``."""
-    return jax.tree_util.tree_map(
-        lambda big, small: small if jnp.ndim(big) == 0 else jax.lax.dynamic_update_slice_in_dim(big, small, 0, axis=0),
-        state, head)
-
-
-def row_ladder(slots: int) -> tuple[int, ...]:
-    """The row counts a chunk of rounds may run on: the powers of two below ``slots``, then ``slots``.
-    Each is its own program (compiled once)."""
-    out, n = [], 1
-    while n < slots:
-        out.append(n)
-        n *= 2
-    return (*out, int(slots))
-
-
-_move_jit = jax.jit(move_rows, donate_argnums=0)
-_head_jit = jax.jit(head_rows, static_argnums=1)
-_put_head_jit = jax.jit(put_head_rows, donate_argnums=0)
-_insert_jit = jax.jit(insert_row, donate_argnums=0)
-_end_jit = jax.jit(end_rows, donate_argnums=0)
-_speculate_jit = jax.jit(set_speculate, donate_argnums=0)
-_zero_jit = jax.jit(lambda tree: jax.tree_util.tree_map(jnp.zeros_like, tree), donate_argnums=0,
-                    keep_unused=True)  # in place (an unused argument would be pruned, not donated)
-_row_jit = jax.jit(lambda tree, i: jax.tree_util.tree_map(lambda x: x[i], tree))  # one row (a traced index: one program)
 
 
 def _check_int(name, v, lo, hi=None):
@@ -223,7 +136,7 @@ class Engine:
     Every slot's buffer (and KV cache) holds this many, so it sets memory and the attention
     cost of every round. ``rounds_per_chunk``: rounds between admissions and updates (under the auto
     policy, while a request waits, a speculative chunk runs about the time of that many plain
-    rounds: :meth:`_chunk_rounds`).
+    rounds: :meth:`chunk_rounds`).
     ``max_logprobs``: the most top alternatives a request may ask for (the programs record this
     many for every row and each request gets its own count); ``None``: log-probabilities off.
     Speculation under load: a chunk in which no running row speculates runs the ``plain``
@@ -280,7 +193,7 @@ class Engine:
         if speculation not in SPECULATION:
             raise ValueError(f"speculation must be one of {', '.join(SPECULATION)}, got {speculation!r}")
         self.speculation = speculation
-        self._auto = AutoSpeculation() if speculation == "auto" and decoder.drafter is not None else None
+        self.auto = AutoSpeculation() if speculation == "auto" and decoder.drafter is not None else None
         self.decoder = decoder
         self.slots = int(slots)
         self.rounds_per_chunk = int(rounds_per_chunk)
@@ -296,8 +209,8 @@ class Engine:
         self._cancel: set[int] = set()
         self._next_id = 0
         self._slots: dict[int, _Running] = {}
-        self._admitting: _Admitting | None = None
-        self._spare = None  # the last admission's (cache, hidden): the next one's, zeroed in place (_piece_inputs)
+        self.admitting: _Admitting | None = None
+        self.spare = None  # the last admission's (cache, hidden): the next one's, zeroed in place (piece_inputs)
         self._state = None
         self._shardings = None  # on a mesh: the state's shardings (_placed)
         self._speculating = None  # the running rows' switches last set by _policy
@@ -308,8 +221,9 @@ class Engine:
         self.admission_programs = 0  # prefills, prompt pieces and insertions dispatched by _admit
 
     # ---- requests (any thread)
-    def submit(self, req: EngineRequest) -> int:
-        """Queue a request; returns its id. Raises ValueError (one line) for a bad request."""
+    def submit(self, req: Request) -> int:
+        """Queue a :class:`~specjax.runtime.request.Request` whose prompt is token ids; returns its id.
+        Raises ValueError (one line) for a bad request."""
         seed = self._check(req)
         with self._lock:
             rid = self._next_id
@@ -333,13 +247,15 @@ class Engine:
 
     @property
     def idle(self) -> bool:
-        return not self._queue and not self._slots and not self._cancel and self._admitting is None
+        return not self._queue and not self._slots and not self._cancel and self.admitting is None
 
-    def _check(self, req: EngineRequest) -> int:
-        if not isinstance(req, EngineRequest):
-            raise ValueError(f"expected an EngineRequest, got {type(req).__name__}")
+    def _check(self, req: Request) -> int:
+        """The engine's own limits on a request (its declared ranges were checked when it was made):
+        the prompt's ids and length, log-probabilities, stop ids; returns its seed (drawn when ``None``)."""
+        if not isinstance(req, Request):
+            raise ValueError(f"expected a specjax Request, got {type(req).__name__}")
         vocab = self.decoder.target.config.vocab_size
-        prompt = list(req.prompt)
+        prompt = list(req.prompt or ())
         if not prompt:
             raise ValueError("the prompt is empty; give at least one token")
         if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab for t in prompt):
@@ -347,9 +263,6 @@ class Engine:
         if len(prompt) >= self.context_limit:
             raise ValueError(f"the prompt has {len(prompt)} tokens; the context is {self.context_limit} tokens "
                              "(prompt + at least one new token): shorten the prompt")
-        _check_int("max_new_tokens", req.max_new_tokens, 1)
-        if not isinstance(req.sampling, Sampling):
-            raise ValueError(f"sampling must be a specjax Sampling, got {type(req.sampling).__name__}")
         SamplingParams.from_rows([req.sampling]).with_vocab(vocab)
         if req.logprobs is not None:
             if self.max_logprobs is None:
@@ -363,7 +276,6 @@ class Engine:
             raise ValueError(f"at most {room} stop token ids per request, got {len(stops)}")
         if req.seed is None:
             return int.from_bytes(os.urandom(8), "little") % SEED_LIMIT
-        _check_int("seed", req.seed, 0, SEED_LIMIT - 1)
         return int(req.seed)
 
     # ---- the decode side (one thread)
@@ -374,30 +286,30 @@ class Engine:
         slot (:attr:`ladder`'s ends; ``all_rows``: every row count of the ladder); returns the seconds.
         Longer prompt buckets and the ladder's other row counts compile at their first use."""
         t0 = time.perf_counter()
-        st = self._ensure_state()
+        st = self.ensure_state()
         for rows in self.ladder if all_rows else sorted({self.ladder[0], self.slots}):  # one request; a full house
-            args = self.decoder._run_args(st if rows == self.slots else _head_jit(st, rows), 0)
+            args = self.decoder.run_args(st if rows == self.slots else head_jit(st, rows), 0)
             if rows != self.slots:  # the chunk's write-back (compiled here, not in the first burst of traffic)
-                st = self._placed(_put_head_jit(st, _head_jit(st, rows)))
+                st = self._placed(put_head_jit(st, head_jit(st, rows)))
             for prog in (self.prog, self._plain):
                 for v in attention_views(self.prog) + [None] if prog is not None else []:  # every view's program
-                    self.decoder._get("run", dataclasses.replace(prog, kv_view=v), args)
+                    self.decoder.compiled_program("run", dataclasses.replace(prog, kv_view=v), args)
         p, row = self.decoder.prompt_bucket, None
         while p <= min(int(prompt_tokens), self.context_limit - 1):
             row = self._row_state([0] * p, 1, 0, Sampling(), (), True)
             if p > ADMIT_TOKENS:  # its piece program: a prompt of this bucket arriving while others run
-                arr, cache, hidden = self._piece_inputs([0] * p)
-                self._spare = jax.block_until_ready(prompt_piece_jit(  # (kept: the next bucket's compiles
-                    self._sprog, self.decoder.target.params, arr, cache, hidden, jnp.int32(0), ADMIT_TOKENS))  # _zero_jit)
+                arr, cache, hidden = self.piece_inputs([0] * p)
+                self.spare = jax.block_until_ready(prompt_piece_jit(  # (kept: the next bucket's compiles
+                    self._sprog, self.decoder.target.params, arr, cache, hidden, jnp.int32(0), ADMIT_TOKENS))  # zero_jit)
             p *= 2
         if row is not None:  # the small programs every request meets: insertion, end, switches, a row's read
-            st = self._placed(_insert_jit(st, row, jnp.int32(0), jnp.bool_(True)))
-            st = self._placed(_end_jit(st, jax.device_put(np.ones(self.slots, bool))))
-            st = self._placed(_speculate_jit(st, jax.device_put(np.ones(self.slots, bool))))
+            st = self._placed(insert_jit(st, row, jnp.int32(0), jnp.bool_(True)))
+            st = self._placed(end_jit(st, jax.device_put(np.ones(self.slots, bool))))
+            st = self._placed(speculate_jit(st, jax.device_put(np.ones(self.slots, bool))))
             if len(self.ladder) > 1:  # the compaction (1.5-3 s to compile: not mid-traffic)
-                st = self._placed(_move_jit(st, *(jax.device_put(np.zeros(self.slots, np.int32)),) * 2, jnp.int32(0)))
+                st = self._placed(move_jit(st, *(jax.device_put(np.zeros(self.slots, np.int32)),) * 2, jnp.int32(0)))
             if st.logprobs is not None:
-                _row_jit(st.logprobs, jnp.int32(0))
+                row_jit(st.logprobs, jnp.int32(0))
         self._state = jax.block_until_ready(st)
         return time.perf_counter() - t0
 
@@ -417,7 +329,7 @@ class Engine:
         st = prefill_jit(self._sprog, *args, forward=forward)
         return st if self._sprog is self.prog else size_for_gamma(st, self.prog)
 
-    def _ensure_state(self):
+    def ensure_state(self):
         """The slots' state: a dummy one-token row tiled to ``slots`` rows, every row done."""
         if self._state is None:
             row = self._row_state([0], 1, 0, Sampling(), (), True)
@@ -457,7 +369,7 @@ class Engine:
             self.rows_moved += 1
             if self._speculating is not None:
                 self._speculating[d] = self._speculating[a]
-        return self._placed(_move_jit(st, jax.device_put(src), jax.device_put(dst), jnp.int32(len(high))))
+        return self._placed(move_jit(st, jax.device_put(src), jax.device_put(dst), jnp.int32(len(high))))
 
     def _run_chunk(self, st, rounds: int, plain: bool = False, rows: int | None = None):
         """``rounds`` rounds over the first ``rows`` slots (default all; :meth:`Decoder.run`: its
@@ -471,27 +383,27 @@ class Engine:
         if rows is None or rows == self.slots:
             st, _, seconds = self.decoder.run(prog, st, limit)
             return st, seconds
-        head, _, seconds = self.decoder.run(prog, _head_jit(st, rows), limit)
-        return _put_head_jit(st, head), seconds
+        head, _, seconds = self.decoder.run(prog, head_jit(st, rows), limit)
+        return put_head_jit(st, head), seconds
 
     def step(self) -> list[Update]:
         """Cancel, admit, run one chunk of rounds, report (see the module docstring)."""
-        st = self._ensure_state()
+        st = self.ensure_state()
         with self._lock:
             cancels, self._cancel = self._cancel, set()
             queued = [q for q in self._queue if q[0] in cancels]
             for q in queued:
                 self._queue.remove(q)
         updates = [Update(rid, [], None, "cancelled", None, seed) for rid, _, seed in queued]
-        a = self._admitting
+        a = self.admitting
         if a is not None and a.rid in cancels:  # cancelled while its prompt was being prefilled
             updates.append(Update(a.rid, [], None, "cancelled", None, a.seed))
-            self._admitting, self._spare = None, (a.cache, a.hidden)
+            self.admitting, self.spare = None, (a.cache, a.hidden)
         ending = [s for s, r in self._slots.items() if r.rid in cancels]
         if ending:
             mask = np.zeros(self.slots, bool)
             mask[ending] = True
-            st = self._placed(_end_jit(st, jax.device_put(mask)))
+            st = self._placed(end_jit(st, jax.device_put(mask)))
         work = self.admission_programs
         st = self._admit(st)
         admitting = self.admission_programs != work  # its programs still run beside the chunk (async dispatch)
@@ -500,26 +412,26 @@ class Engine:
             rows = self._rows()
             st, plain, view = self._policy(st, rows)
             before = None if view is _PINNED else self._counters(st)
-            st, seconds = self._run_chunk(st, self._chunk_rounds(plain, rows), plain, rows)
+            st, seconds = self._run_chunk(st, self.chunk_rounds(plain, rows), plain, rows)
             if before is not None:  # the auto policy's measurement (its rows could switch)
                 rows = list(self._slots)
                 (l0, c0, r0), (l1, c1, r1) = before, self._counters(st)
-                self._auto.record(plain, view, seconds, r1 - r0, int((l1 - l0)[rows].sum()),
+                self.auto.record(plain, view, seconds, r1 - r0, int((l1 - l0)[rows].sum()),
                                   int((c1 - c0)[rows].sum()), timed=not admitting)
         self._state = st
         return updates + self._report(st, set(ending))
 
-    def _chunk_rounds(self, plain: bool, rows: int | None) -> int:
+    def chunk_rounds(self, plain: bool, rows: int | None) -> int:
         """Rounds in the next chunk: ``rounds_per_chunk``; but while a request waits for admission, a
         speculative chunk under the auto policy lasts about as long as ``rounds_per_chunk`` plain
         rounds would (``rounds_per_chunk · t_plain / t_spec`` of the measured seconds per round, at
         least 1): admission advances once per chunk, so longer chunks would delay the waiting requests'
         first tokens and leave their slots empty. The tokens do not depend on where chunks end."""
         n = self.rounds_per_chunk
-        if plain or self._auto is None or not (self._queue or self._admitting is not None):
+        if plain or self.auto is None or not (self._queue or self.admitting is not None):
             return n
-        key = self._view(rows)
-        ts, tp = self._auto.t_spec.get(key), self._auto.t_plain.get(key)
+        key = self.view_key(rows)
+        ts, tp = self.auto.t_spec.get(key), self.auto.t_plain.get(key)
         return n if not ts or not tp else max(1, min(n, round(n * tp / ts)))
 
     @staticmethod
@@ -528,15 +440,15 @@ class Engine:
         return np.asarray(st.lengths), np.asarray(st.stats.target_calls), int(np.asarray(st.round))
 
     def _admit(self, st):
-        """Admit queued requests into free slots, about :meth:`_step_tokens` prompt tokens per step:
+        """Admit queued requests into free slots, about :meth:`step_tokens` prompt tokens per step:
         a prompt of at most :data:`ADMIT_TOKENS` (at most a chunk when nothing runs) is prefilled at
         once, a longer one piece by piece (:meth:`_advance`), so an admission stalls the running rows
         for about one decode chunk per step at most."""
         idle = not self._slots
-        full = budget = self._step_tokens()
+        full = budget = self.step_tokens()
         while True:
-            if self._admitting is not None:
-                if budget < self._next_piece(self._admitting) and budget < full:  # at least one piece a step
+            if self.admitting is not None:
+                if budget < self._next_piece(self.admitting) and budget < full:  # at least one piece a step
                     break
                 st, used = self._advance(st)
                 budget -= used
@@ -552,7 +464,7 @@ class Engine:
                 rid, req, seed = self._queue.popleft()
             slot = free[0]
             if big:
-                self._admitting = self._start_admission(rid, req, seed)
+                self.admitting = self._start_admission(rid, req, seed)
                 continue
             budget -= len(req.prompt)
             row = self._row_state(list(req.prompt), req.max_new_tokens, seed, req.sampling, req.stop_token_ids,
@@ -562,13 +474,13 @@ class Engine:
 
     def _insert(self, st, row, slot, rid, req, seed):
         self.admission_programs += 1
-        st = self._placed(_insert_jit(st, row, jnp.int32(slot), jnp.bool_(req.speculative)))
+        st = self._placed(insert_jit(st, row, jnp.int32(slot), jnp.bool_(req.speculative)))
         self._slots[slot] = _Running(rid, req, seed, len(req.prompt), len(req.prompt))
         if self._speculating is not None:  # what insert_row set
             self._speculating[slot] = bool(req.speculative)
         return st
 
-    def _step_tokens(self) -> int:
+    def step_tokens(self) -> int:
         """Prompt tokens one step may prefill: while requests run, one :data:`ADMIT_TOKENS` piece per
         request waiting for a free slot (at least one, at most :data:`ADMIT_PIECES_MAX`: a burst of
         arrivals is admitted about as fast as whole prompts were, a lone long prompt one piece per
@@ -578,13 +490,13 @@ class Engine:
             return PREFILL_CHUNK
         with self._lock:
             queued = len(self._queue)
-        waiting = min(queued + (self._admitting is not None), self.slots - running)
+        waiting = min(queued + (self.admitting is not None), self.slots - running)
         return ADMIT_TOKENS * max(1, min(ADMIT_PIECES_MAX, waiting))
 
     def _start_admission(self, rid, req, seed) -> _Admitting:
-        return _Admitting(rid, req, seed, *self._piece_inputs(req.prompt))
+        return _Admitting(rid, req, seed, *self.piece_inputs(req.prompt))
 
-    def _piece_inputs(self, prompt):
+    def piece_inputs(self, prompt):
         """``(padded prompt [1, P], empty one-row cache, zero hidden [1, P, F])`` for
         :func:`~specjax.runtime.prefill.prompt_piece` calls, P the prompt's bucket (a multiple of
         every piece size)."""
@@ -592,12 +504,12 @@ class Engine:
         arr = np.zeros((1, p), np.int32)
         arr[0, : len(prompt)] = list(prompt)
         shape = (1, p, self._sprog.feature_size)
-        (cache, hidden), self._spare = self._spare or (None, None), None
+        (cache, hidden), self.spare = self.spare or (None, None), None
         # the last admission's buffers, zeroed in place: a fresh one-row cache (≈ 100 MB at 2,304 slots)
         # page-faults its memory in, 0.1-0.3 s of the step that starts the admission (BENCHMARKS.md, turn 24)
         cache = (KVCache.create(self.decoder.target.config, 1, self.prog.buffer_len, jnp.dtype(self.prog.cache_dtype))
-                 if cache is None else _zero_jit(cache))
-        hidden = _zero_jit(hidden) if hidden is not None and hidden.shape == shape else jnp.zeros(shape, jnp.float32)
+                 if cache is None else zero_jit(cache))
+        hidden = zero_jit(hidden) if hidden is not None and hidden.shape == shape else jnp.zeros(shape, jnp.float32)
         return jax.device_put(arr), cache, hidden
 
     def _next_piece(self, a: _Admitting) -> int:
@@ -612,7 +524,7 @@ class Engine:
         """One piece of the prompt being admitted (:meth:`_next_piece`); after its last piece, the
         rest of its prefill (:func:`~specjax.runtime.prefill.prefill` with ``forward=``) and its
         insertion. Returns ``(state, prompt tokens prefilled)``."""
-        a = self._admitting
+        a = self.admitting
         tparams = self.decoder.target.params
         p, n = a.prompt.shape[1], self._next_piece(a)
         self.admission_programs += 1
@@ -621,15 +533,15 @@ class Engine:
         a.done += n
         if a.done < p:
             return st, n
-        self._admitting = None
+        self.admitting = None
         row = self._row_state(list(a.req.prompt), a.req.max_new_tokens, a.seed, a.req.sampling,
                               a.req.stop_token_ids, a.req.ignore_eos, forward=(a.hidden, a.cache))
         slot = min(s for s in range(self.slots) if s not in self._slots)  # free since admission began (_admit
         st = self._insert(st, row, slot, a.rid, a.req, a.seed)            # admits nothing else meanwhile)
-        self._spare = (a.cache, a.hidden)  # after the insertion: the row may hold these very arrays
+        self.spare = (a.cache, a.hidden)  # after the insertion: the row may hold these very arrays
         return st, n
 
-    def _view(self, rows: int | None = None):
+    def view_key(self, rows: int | None = None):
         """The attention view the next chunk starts in (:func:`~specjax.runtime.decoder.attention_views`;
         ``None``: the whole buffer); with ``rows`` (the ladder in use), the auto policy's key ``(rows, view)``."""
         longest = max(r.reported for r in self._slots.values())
@@ -651,15 +563,15 @@ class Engine:
             return st, False, _PINNED
         running = self._slots.values()
         switchable = not any(r.req.speculative and r.req.sampling.temperature > 0 for r in running)
-        view = self._view(rows) if switchable and self._auto is not None else _PINNED
+        view = self.view_key(rows) if switchable and self.auto is not None else _PINNED
         off = switchable and ((self.spec_max_running is not None and len(self._slots) > self.spec_max_running)
-                              or (view is not _PINNED and self._auto.plain(view)))
+                              or (view is not _PINNED and self.auto.plain(view)))
         want = np.zeros(self.slots, bool)
         for slot, r in self._slots.items():
             want[slot] = r.req.speculative and not off
         if self._speculating is None or not np.array_equal(want[list(self._slots)],
                                                            self._speculating[list(self._slots)]):
-            st = self._placed(_speculate_jit(st, jax.device_put(want)))
+            st = self._placed(speculate_jit(st, jax.device_put(want)))
         self._speculating = want
         return st, not want.any(), view
 
@@ -675,32 +587,14 @@ class Engine:
             new = toks[slot, r.reported: end].tolist()
             lps = None
             if r.req.logprobs is not None:  # this row's buffers only ([L, N] each), not every slot's
-                lp = jax.tree_util.tree_map(np.asarray, _row_jit(st.logprobs, jnp.int32(slot)))
-                lps = self._logprobs(lp, r.reported, end, new, r.req.logprobs)
+                lp = jax.tree_util.tree_map(np.asarray, row_jit(st.logprobs, jnp.int32(slot)))
+                lps = row_logprobs(lp, r.reported, end, new, r.req.logprobs)
             r.reported = end
             if not (done[slot] or slot in cancelled):
                 out.append(Update(r.rid, new, lps, None, None, r.seed))
                 continue
-            stats = self._final_stats(st, slot, toks, lengths)
+            stats = row_stats(st, slot, toks, lengths, [] if r.req.ignore_eos else self._eos)
             reason = "cancelled" if slot in cancelled else stats.finish_reason
             out.append(Update(r.rid, new, lps, reason, stats, r.seed))
             del self._slots[slot]
         return out
-
-    @staticmethod
-    def _logprobs(lp, a, b, new, top):
-        """Per new token ``{"id", "logprob", "top"}`` from one row's host log-probability buffers."""
-        return [{"id": int(t), "logprob": float(v),
-                 "top": [(int(j), float(x)) for j, x in zip(ids[:top], vals[:top]) if np.isfinite(x)]}
-                for t, v, ids, vals in zip(new, lp.token[a:b], lp.top_ids[a:b], lp.top_logprobs[a:b])]
-
-    def _final_stats(self, st, slot, toks, lengths) -> RowStats:
-        """The row's :class:`RowStats` through :func:`host_result` (the one definition) on a
-        one-row host view of the fields it reads."""
-        one = lambda x: np.asarray(x[slot: slot + 1])  # noqa: E731
-        view = SimpleNamespace(tokens=toks[slot: slot + 1], lengths=lengths[slot: slot + 1],
-                               prompt_lengths=one(st.prompt_lengths), eos=one(st.eos),
-                               emit_info=one(st.emit_info), emit_round=one(st.emit_round),
-                               stats=SimpleNamespace(accept_hist=one(st.stats.accept_hist)), logprobs=None)
-        req = self._slots[slot].req
-        return host_result(view, 0.0, 0.0, 0.0, model_eos=[] if req.ignore_eos else self._eos).stats[0]

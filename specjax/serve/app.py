@@ -38,7 +38,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from specjax.api import TextStream, _logprob_records, stop_cut
+from specjax.api import TextStream, logprob_records, stop_cut
 from specjax.serve import protocol as P
 from specjax.serve.metrics import CONTENT_TYPE, ServeMetrics
 from specjax.serve.worker import EngineFault, EngineWorker, WorkerStopped
@@ -50,12 +50,8 @@ PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "
 
 
 def _engine_request(req: P.GenerationRequest):
-    """The :class:`~specjax.runtime.engine.EngineRequest` of a validated request."""
-    from specjax.runtime.engine import EngineRequest
-
-    return EngineRequest(prompt=list(req.prompt_ids), max_new_tokens=req.max_new_tokens, sampling=req.sampling,
-                         seed=req.seed, stop_token_ids=tuple(req.stop_token_ids), logprobs=req.logprobs,
-                         ignore_eos=req.ignore_eos, speculative=req.speculative)
+    """The :class:`~specjax.runtime.request.Request` the engine decodes (its prompt the token ids)."""
+    return req.request
 
 
 class _Run:
@@ -95,7 +91,7 @@ class _Run:
                     del self.ids[k:]
             new = self.ids[start:]
             if self.req.logprobs is not None:
-                recs = _logprob_records(self.tok, lp[: len(new)])
+                recs = logprob_records(self.tok, lp[: len(new)])
                 self.records.extend(recs)
         final = u.finish_reason is not None
         if final:

@@ -18,19 +18,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from typing import Any
 
 from specjax.core import sampling as sampling_mod
 from specjax.core.sampling import Sampling  # (annotations and the default; code reads sampling_mod.Sampling: the declaration)
 from specjax.core.settings import SettingError, is_int, knobs, of_kind
-from specjax.runtime.decoder import SEED_LIMIT  # seeds are integers in [0, 2**64)
 from specjax.runtime.engine import ENGINE_STOP_IDS
+from specjax.runtime.request import MAX_STOP, declared, request_class
 
-MAX_STOP = 16  # stop strings per request
 MAX_STOP_TOKEN_IDS = ENGINE_STOP_IDS  # at most (the engine also holds the model's EOS ids in these slots)
 
 # Fields the official client may send that change nothing here (accepted, ignored).
-HARMLESS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream_options", "n")
+HARMLESS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream_options")
 # Fields that would change the result and are not supported: HTTP 400 when given (not null / default).
 UNSUPPORTED = {
     "tools": "tool calls", "tool_choice": "tool calls", "functions": "function calls",
@@ -66,6 +66,13 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+def server_request():
+    """The request defaults of a server started without flags: the declaration's
+    (:class:`~specjax.runtime.request.Request`), but no seed (a request without one draws a random
+    seed and gets it back, as OpenAI's API samples without a fixed seed)."""
+    return request_class()(seed=None)
+
+
 @dataclasses.dataclass(frozen=True)
 class ServeDefaults:
     """The server's settings that requests are checked against and fall back to (frozen).
@@ -73,10 +80,9 @@ class ServeDefaults:
     model_name: the id ``/v1/models`` lists; a request's ``model`` must be it.
     context_limit: tokens one request may hold (prompt + new; ``Engine.context_limit``).
     vocab_size: the target's vocabulary (token ids are in ``[0, vocab_size)``).
-    max_new_tokens: new tokens when a request gives no ``max_tokens`` (``--max-new-tokens``, default 128).
-    sampling: the :class:`~specjax.core.sampling.Sampling` a request's missing fields take
-      (``--temperature`` etc. or the pair config; default greedy).
-    ignore_eos: the default of the ``ignore_eos`` extension field (``--ignore-eos``).
+    request: the :class:`~specjax.runtime.request.Request` whose fields a request's missing fields
+      take (``--max-new-tokens``, ``--temperature`` etc., ``--ignore-eos`` or the pair config; the
+      declaration's defaults otherwise, without a seed: :func:`server_request`).
     parse_special: special-token strings in prompt text become control ids (``--no-parse-special``: not).
     max_logprobs: the most alternatives per token (``top_logprobs`` / completions ``logprobs``), 20.
     chat: whether the model has a chat template (``/v1/chat/completions`` needs one).
@@ -85,38 +91,42 @@ class ServeDefaults:
     model_name: str
     context_limit: int
     vocab_size: int
-    max_new_tokens: int = 128
-    sampling: Sampling = Sampling()
-    ignore_eos: bool = False
+    request: Any = dataclasses.field(default_factory=server_request)
     parse_special: bool = True
     max_logprobs: int = 20
     chat: bool = True
 
+    @property
+    def max_new_tokens(self) -> int:
+        return self.request.max_new_tokens
+
+    @property
+    def sampling(self) -> Sampling:
+        return self.request.sampling
+
 
 @dataclasses.dataclass(frozen=True)
 class GenerationRequest:
-    """One validated generation request (frozen).
-
-    kind: ``"chat"`` or ``"completion"``. prompt_ids: the prompt's token ids (chat: rendered with
-    the chat template). max_new_tokens: ≥ 1 (a request's own is checked against the context, the
-    default capped to it). sampling: the request's :class:`~specjax.core.sampling.Sampling`. seed: an integer in [0, 2**64) or ``None``
-    (the engine draws one). stop: stop strings (the text is cut before the first). stop_token_ids:
-    more ids that end the request. logprobs: ``None`` (off) or N alternatives per token (0..20).
-    stream, include_usage: server-sent events, and a usage chunk at the end. speculative: ``False``
-    decodes this request without the drafter. ignore_eos: do not stop at EOS."""
+    """One validated HTTP generation request (frozen): the endpoint's ``kind`` (``"chat"`` or
+    ``"completion"``), the :class:`~specjax.runtime.request.Request` the engine decodes (its prompt
+    the token ids — chat: rendered with the chat template; its declared fields read from the body
+    under their HTTP names, the server's :attr:`ServeDefaults.request` where missing), and how the
+    answer is sent (``stream``, ``include_usage``: server-sent events, and a usage chunk at the end).
+    The request's fields also read as attributes (``req.max_new_tokens``, ``req.sampling``)."""
 
     kind: str
-    prompt_ids: tuple
-    max_new_tokens: int
-    sampling: Sampling
-    seed: int | None = None
-    stop: tuple = ()
-    stop_token_ids: tuple = ()
-    logprobs: int | None = None
+    request: Any
     stream: bool = False
     include_usage: bool = False
-    speculative: bool = True
-    ignore_eos: bool = False
+
+    @property
+    def prompt_ids(self) -> tuple:
+        return self.request.prompt
+
+    def __getattr__(self, name):
+        if name in ("request", "kind", "stream", "include_usage"):
+            raise AttributeError(name)
+        return getattr(self.request, name)
 
 
 def parse_json(raw: bytes) -> dict:
@@ -142,10 +152,23 @@ def _sampling_fields() -> dict:
     return {name: k for name, k, _ in knobs(sampling_mod.Sampling)}
 
 
-_COMMON = ("model", "max_tokens", "seed", "stop", "stop_token_ids", "stream", "logprobs", "speculative",
-           "ignore_eos")
-COMPLETION_FIELDS = (*_COMMON, "prompt")
-CHAT_FIELDS = (*_COMMON, "messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs")
+def http_name(name: str, k) -> str:
+    """A declared request field's name in an HTTP body (``Knob.http``, else its own)."""
+    return k.http or name
+
+
+def _common_fields() -> tuple:
+    """The body fields of both endpoints: ``model``, ``stream`` and every declared request field
+    under its HTTP name (:class:`~specjax.runtime.request.Request`, looked up when used)."""
+    return ("model", "stream", *(http_name(n, k) for n, k, _ in declared()))
+
+
+def completion_fields() -> tuple:
+    return (*_common_fields(), "prompt")
+
+
+def chat_fields() -> tuple:
+    return (*_common_fields(), "messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs")
 
 
 def _check_fields(body: dict, allowed: tuple, where: str) -> None:
@@ -163,11 +186,10 @@ def _check_fields(body: dict, allowed: tuple, where: str) -> None:
         supported = sorted({*allowed, *sampling, *HARMLESS})
         raise RequestError(f"unknown field '{name}' for {where}; supported: {', '.join(supported)}", param=name,
                            code="unknown_parameter")
-    n = body.get("n")
-    if n is not None and (not is_int(n) or n != 1):
-        raise RequestError(f"'n' must be 1 (one choice per request), got {n!r}; send n separate requests", param="n",
-                           code="unsupported_parameter")
     opts = body.get("stream_options")
+    if opts is not None and body.get("stream") is not True:
+        raise RequestError("'stream_options' needs 'stream': true (it sets what a stream sends); drop it or stream",
+                           param="stream_options")
     if opts is not None:
         if not isinstance(opts, dict) or any(k not in ("include_usage", "include_obfuscation") for k in opts):
             raise RequestError(f"'stream_options' must be an object {{\"include_usage\": true|false}}, got {opts!r}",
@@ -283,16 +305,41 @@ def _check_total_length(ids, max_new: int | None, d: ServeDefaults, param: str) 
                            code="context_length_exceeded")
 
 
+# declared request fields whose HTTP form the endpoints read themselves (the rest: _declared_fields)
+_OWN_FORM = ("max_new_tokens", "logprobs", "stop", "stop_token_ids")
+
+
+def _declared_fields(body: dict) -> dict:
+    """Every declared request field given in the body (under its HTTP name) that has no form of its
+    own (:data:`_OWN_FORM`), checked against its declared kind (its range: when the request is built)."""
+    out = {}
+    for name, k, _ in declared():
+        v = body.get(http_name(name, k))
+        if name in _OWN_FORM or v is None:
+            continue
+        if (k.kind is tuple and not isinstance(v, list)) or (k.kind is not tuple and not of_kind(k.kind, v)):
+            raise RequestError(f"'{http_name(name, k)}' must be {k.expect}, got {v!r}"[:300], param=http_name(name, k))
+        out[name] = v
+    return out
+
+
 def _common(body: dict, d: ServeDefaults, kind: str, ids: tuple, max_new: int, logprobs: int | None) -> GenerationRequest:
     stream = _bool(body, "stream", False)
     opts = body.get("stream_options") or {}
-    return GenerationRequest(
-        kind=kind, prompt_ids=ids, max_new_tokens=max_new, sampling=_sampling(body, d),
-        seed=_int(body, "seed", 0, SEED_LIMIT - 1), stop=_stop(body),
-        stop_token_ids=() if body.get("stop_token_ids") is None else _token_ids(
-            body["stop_token_ids"], "stop_token_ids", d, MAX_STOP_TOKEN_IDS),
-        logprobs=logprobs, stream=stream, include_usage=stream and bool(opts.get("include_usage", False)),
-        speculative=_bool(body, "speculative", True), ignore_eos=_bool(body, "ignore_eos", d.ignore_eos))
+    fields = dict(_declared_fields(body), max_new_tokens=max_new, logprobs=logprobs, stop=_stop(body))
+    if body.get("stop_token_ids") is not None:
+        fields["stop_token_ids"] = _token_ids(body["stop_token_ids"], "stop_token_ids", d, MAX_STOP_TOKEN_IDS)
+    try:
+        req = d.request.replace(prompt=ids, sampling=_sampling(body, d), **fields)
+    except SettingError as e:
+        names = {n: http_name(n, k) for n, k, _ in declared()}
+        msg = str(e)
+        for n in sorted(names, key=len, reverse=True):
+            msg = re.sub(rf"(?<![\w']){n}(?![\w])", names[n], msg)
+        param = names.get(e.name, e.name)
+        raise RequestError(f"'{param}': {msg}", param=param) from None
+    return GenerationRequest(kind=kind, request=req, stream=stream,
+                             include_usage=stream and bool(opts.get("include_usage", False)))
 
 
 def parse_completion(body: dict, tokenizer, d: ServeDefaults) -> GenerationRequest:
@@ -303,7 +350,7 @@ def parse_completion(body: dict, tokenizer, d: ServeDefaults) -> GenerationReque
       RequestError: any field of the wrong type or out of range, an unknown or unsupported field,
         several prompts, an empty prompt or one longer than the context, a ``max_tokens`` that does not fit
         the context beside the prompt (``context_length_exceeded``)."""
-    _check_fields(body, COMPLETION_FIELDS, "/v1/completions")
+    _check_fields(body, completion_fields(), "/v1/completions")
     _check_model(body, d)
     p = body.get("prompt")
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
@@ -391,7 +438,7 @@ def parse_chat(body: dict, tokenizer, d: ServeDefaults) -> GenerationRequest:
 
     Raises:
       RequestError: as :func:`parse_completion`, and messages that are not text."""
-    _check_fields(body, CHAT_FIELDS, "/v1/chat/completions")
+    _check_fields(body, chat_fields(), "/v1/chat/completions")
     _check_model(body, d)
     ids = encode_chat(tokenizer, chat_messages(body.get("messages")), d, body.get("chat_template_kwargs"))
     _check_prompt_length(ids, d, "messages")
@@ -456,7 +503,7 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def chat_logprobs(records: list[dict]) -> dict:
-    """Chat ``logprobs`` from :func:`specjax.api._logprob_records` records."""
+    """Chat ``logprobs`` from :func:`specjax.api.logprob_records` records."""
     def item(r):
         return {"token": r["token"], "logprob": r["logprob"], "bytes": list(r["token"].encode("utf-8"))}
     return {"content": [dict(item(r), top_logprobs=[item(a) for a in r["top_logprobs"]]) for r in records]}
