@@ -4,12 +4,13 @@ tests/serve_helpers.py) — mixed prompt lengths, completions and chat, greedy a
 mixed ``max_tokens``, a quarter streamed, one in eight cancelled mid-stream (the stream closed
 after its first chunk).
 
-Checked per wave: every request that was not cancelled completes within ``BOUND_S`` seconds with
-exactly one response (none lost, none duplicated: 64 distinct response ids, the request counter
-moves by exactly 64); its text equals the offline run of its prompt alone
-(``Decoder.generate`` with ``request_keys(seed, 1)``: greedy and seeded alike); every cancelled
-request reached ``engine.cancel`` and the engine ends idle. Across waves: the process RSS after
-the third wave is at most the first wave's + 50 MB.
+Checked per wave: every request that was not cancelled completes with exactly one response (none
+lost, none duplicated: 64 distinct response ids, the request counter moves by exactly 64); its text
+equals the offline run of its prompt alone (``Decoder.generate`` with ``request_keys(seed, 1)``:
+greedy and seeded alike); every cancelled request reached ``engine.cancel`` and the engine ends
+idle. Across waves: the process RSS after the third wave is at most the first wave's + 50 MB.
+Nothing is timed: ``WAIT_S`` only bounds the waits, so that a lost request or a stuck engine fails
+with a message instead of hanging the suite (it is no speed requirement).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from specjax.core.sampling import Sampling
 
 N = 64
 SLOTS = 8
-BOUND_S = 90.0  # seconds from a wave's start to each request's last byte (2 shared CPU cores)
+WAIT_S = 600.0  # bound of every wait (a request's response, the engine going idle): a hang fails, no speed is checked
 SAMPLED = Sampling(temperature=0.8, top_p=0.95)
 
 
@@ -59,7 +60,6 @@ async def _one(client, s) -> dict:
         kw.update(temperature=SAMPLED.temperature, top_p=SAMPLED.top_p, seed=s["seed"])
     if s["cancel"]:
         kw["extra_body"] = {"ignore_eos": True}
-    t0 = time.perf_counter()
     if s["chat"]:
         call = client.chat.completions.create(messages=[{"role": "user", "content": s["text"]}], stream=s["stream"],
                                               **kw)
@@ -69,7 +69,7 @@ async def _one(client, s) -> dict:
     if not s["stream"]:
         c = r.choices[0]
         return {"id": r.id, "text": c.message.content if s["chat"] else c.text, "finish": c.finish_reason,
-                "n": r.usage.completion_tokens, "s": time.perf_counter() - t0}
+                "n": r.usage.completion_tokens}
     texts, ids, finish = [], set(), None
     async for chunk in r:
         ids.add(chunk.id)
@@ -81,12 +81,25 @@ async def _one(client, s) -> dict:
                 break  # the client goes away mid-stream
     await r.close()
     assert len(ids) == 1
-    return {"id": ids.pop(), "text": "".join(texts), "finish": finish, "n": None, "s": time.perf_counter() - t0}
+    return {"id": ids.pop(), "text": "".join(texts), "finish": finish, "n": None}
 
 
 async def _wave(url: str, specs) -> list[dict]:
-    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=BOUND_S) as client:
-        return await asyncio.gather(*(_one(client, s) for s in specs))
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=WAIT_S) as client:
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(_one(client, s) for s in specs)), WAIT_S)
+        except (asyncio.TimeoutError, openai.APITimeoutError) as e:
+            raise AssertionError(f"a request of the wave got no complete response within {WAIT_S:g} s "
+                                 f"(lost or hung, not slow): {e!r}") from e
+
+
+def _wait_until(cond, what: str) -> None:
+    """Poll ``cond()`` until it holds; fail naming ``what`` after ``WAIT_S`` seconds (a hang, not a speed)."""
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > WAIT_S:
+            raise AssertionError(f"{what} did not happen within {WAIT_S:g} s")
+        time.sleep(0.05)
 
 
 def _rss_mb() -> float:
@@ -122,13 +135,10 @@ def test_three_waves_of_64_concurrent_requests(pair):
             specs = _specs(wave)
             before = _requests_total(srv.url)
             n_cancel0 = len(cancels.cancels)
-            t0 = time.perf_counter()
-            results = asyncio.run(_wave(srv.url, specs))
-            wall = time.perf_counter() - t0
+            results = asyncio.run(_wave(srv.url, specs))  # every request answered (a hang fails after WAIT_S)
             assert len({r["id"] for r in results}) == N  # one response each, none duplicated
             assert _requests_total(srv.url) - before == N
             done = [(s, r) for s, r in zip(specs, results) if not s["cancel"]]
-            assert max(r["s"] for _, r in done) < BOUND_S, wall
             for s, r in done:
                 key = (tuple(_ids(pair, s)), s["max_tokens"], s["sampled"], s["seed"])
                 if key not in refs:
@@ -141,14 +151,13 @@ def test_three_waves_of_64_concurrent_requests(pair):
                 if r["n"] is not None:
                     assert r["n"] == n
             cut = [s for s in specs if s["cancel"]]
-            t1 = time.time()
-            while not (engine.idle and srv.app.state.serve.worker.in_flight == 0) and time.time() - t1 < 30:
-                time.sleep(0.05)
+            _wait_until(lambda: engine.idle and srv.app.state.serve.worker.in_flight == 0,
+                        f"wave {wave}: the engine going idle with no request in flight")
             assert engine.idle and srv.app.state.serve.worker.in_flight == 0
             assert len(cancels.cancels) - n_cancel0 == len(cut)  # each closed stream cancelled its request
             gc.collect()
             rss.append(_rss_mb())
-            print(f"wave {wave}: {N} requests in {wall:.1f} s, RSS {rss[-1]:.0f} MB")
+            print(f"wave {wave}: {N} requests, RSS {rss[-1]:.0f} MB")
         assert rss[2] <= rss[0] + 50, rss
     finally:
         cancels.restore()
