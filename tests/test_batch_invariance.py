@@ -112,7 +112,27 @@ def _cases():
     for fmt, methods in METHODS.items():
         for method in methods:  # methods vary fastest: one format loaded at a time
             group = pytest.mark.xdist_group(fmt)  # one worker per format under pytest -n (shared AR run)
-            yield pytest.param(fmt, method, marks=(group, pytest.mark.gate_matrix), id=f"{fmt}-{method}")
+            marks = (group, pytest.mark.gate_matrix)
+            if (fmt, method) in KNOWN_ON_AMX and _cpu_has_amx():
+                marks += (pytest.mark.xfail(strict=True, reason=KNOWN_ON_AMX[(fmt, method)]),)
+            yield pytest.param(fmt, method, marks=marks, id=f"{fmt}-{method}")
+
+
+# Known defects by host class, each run and expected to FAIL there (strict: a fix makes the case fail until
+# this entry is removed), and checked as usual on every other host.
+KNOWN_ON_AMX = {
+    ("bfloat16", "ngram:4"): "known defect on Intel hosts with AMX (Sapphire Rapids; found turn 25, the landed "
+                             "d0a071a fails it identically there): row 0 alone vs in the batch diverges at token 3; "
+                             "the AMD EPYC and AVX-512-only hosts of every earlier CI run pass it",
+}
+
+
+def _cpu_has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return " amx_bf16" in f.read()
+    except OSError:
+        return False
 
 
 @pytest.mark.parametrize("fmt,method", list(_cases()))
